@@ -1,0 +1,31 @@
+"""Framework-free core of horovod-topk: configuration, per-tensor decisions, payload layout, error-feedback
+registry and the state/statistics shared by the PyTorch and TensorFlow compressors.
+
+Imports nothing beyond the standard library (tests/core/test_no_framework_imports.py checks it), so the math of
+what goes on the wire can be tested and reasoned about without a framework or a process group.
+"""
+from .compressor import TopKEFBase, default_instance_method
+from .config import MAX_COMPRESSED_NUMEL, TopKConfig
+from .naming import allgather_name, group_member_name
+from .payload import ALIGNMENT, INDEX_ITEMSIZE, PayloadLayout, PayloadSizeMismatch
+from .policy import TensorPlan, plan_tensor, selected_count
+from .registry import STATE_FORMAT, ErrorFeedbackRegistry, TensorRecord
+
+__all__ = [
+    "TopKConfig",
+    "MAX_COMPRESSED_NUMEL",
+    "TensorPlan",
+    "plan_tensor",
+    "selected_count",
+    "PayloadLayout",
+    "PayloadSizeMismatch",
+    "INDEX_ITEMSIZE",
+    "ALIGNMENT",
+    "allgather_name",
+    "group_member_name",
+    "ErrorFeedbackRegistry",
+    "TensorRecord",
+    "STATE_FORMAT",
+    "TopKEFBase",
+    "default_instance_method",
+]

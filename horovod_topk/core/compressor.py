@@ -1,0 +1,138 @@
+"""What the PyTorch and TensorFlow ``TopKEF`` classes share: configuration, registry, state and statistics.
+
+The framework classes add only the tensor math and the collective calls. Horovod accepts either a compressor
+*class* (``compression=hvd.Compression.fp16``) or an object, so ``compression=TopKEF`` must work as well as
+``compression=TopKEF(ratio=0.001)``: the public methods, looked up on the class, act on one shared default instance
+of that class.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, Callable, Dict, Generic, Mapping, Optional, TypeVar
+
+from .config import TopKConfig
+from .registry import ErrorFeedbackRegistry
+
+__all__ = ["TopKEFBase", "default_instance_method"]
+
+R = TypeVar("R")
+
+_SHARED_METHODS = ("compress", "decompress", "state_dict", "load_state_dict", "stats", "reset")
+
+
+class default_instance_method:
+    """A method that, looked up on the class, binds to the class's default instance instead of failing."""
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.func = func
+        self.__doc__ = func.__doc__
+        self.__name__ = getattr(func, "__name__", "method")
+
+    def __get__(self, obj: Any, owner: type) -> Callable[..., Any]:
+        target = obj if obj is not None else owner.default()
+        return self.func.__get__(target, owner)
+
+
+class TopKEFBase(abc.ABC, Generic[R]):
+    """Top-K sparsification with error feedback: the framework-independent part.
+
+    Args:
+        ratio (float, optional): fraction of entries sent per step, in (0, 1]. Default 0.01.
+        k (int, optional): fixed entries per tensor instead of ``ratio``.
+        min_numel (int, optional): tensors smaller than this go dense. Default 1024.
+        config (TopKConfig, optional): a ready configuration; exclusive with the keyword options.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for method in _SHARED_METHODS:
+            if method in cls.__dict__ and not isinstance(cls.__dict__[method], default_instance_method):
+                setattr(cls, method, default_instance_method(cls.__dict__[method]))
+
+    def __init__(
+        self,
+        ratio: Optional[float] = None,
+        *,
+        k: Optional[int] = None,
+        min_numel: Optional[int] = None,
+        config: Optional[TopKConfig] = None,
+    ) -> None:
+        options = {n: v for n, v in (("ratio", ratio), ("k", k), ("min_numel", min_numel)) if v is not None}
+        if config is not None:
+            if options:
+                raise ValueError(f"pass either config= or the options {sorted(options)}, not both")
+            if not isinstance(config, TopKConfig):
+                raise ValueError(f"config must be a TopKConfig, got {type(config).__name__}")
+        #: The validated configuration; defaults live in TopKConfig only.
+        self.config = config if config is not None else TopKConfig(**options)
+        #: Residuals and counters by tensor name; what a checkpoint must keep (see state_dict).
+        self.registry: ErrorFeedbackRegistry[R] = ErrorFeedbackRegistry()
+
+    @classmethod
+    def default(cls) -> "TopKEFBase[R]":
+        """The instance used when the class itself is passed as ``compression=`` (created on first use)."""
+        inst = cls.__dict__.get("_default_instance")
+        if inst is None:
+            inst = cls()
+            setattr(cls, "_default_instance", inst)
+        return inst
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config.describe()[len('TopKConfig('):-1]})"
+
+    # ---- framework hooks -------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _export_residual(self, residual: R) -> Any:
+        """A copy of ``residual`` fit for a checkpoint of this framework."""
+
+    @abc.abstractmethod
+    def _import_residual(self, name: str, value: Any) -> R:
+        """A residual made from what :meth:`_export_residual` produced."""
+
+    @abc.abstractmethod
+    def _residual_squared_norm(self, residual: R) -> float:
+        """Sum of squares of ``residual`` as a Python float."""
+
+    # ---- state -----------------------------------------------------------------------------------------------
+    @default_instance_method
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals and counters, plus the configuration they were made with.
+
+        Residuals are real training state: they hold gradient mass that was computed but not applied yet.
+        Save this next to the model and optimizer state of *each rank* and load it back on restart.
+        """
+        state = self.registry.state_dict(self._export_residual)
+        state["config"] = self.config.to_dict()
+        return state
+
+    @default_instance_method
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. Shapes are checked when each tensor is next reduced."""
+        self.registry.load_state_dict(state, self._import_residual)
+
+    @default_instance_method
+    def reset(self) -> None:
+        """Forget all residuals and counters (for a new training run with the same compressor object)."""
+        self.registry.clear()
+
+    @default_instance_method
+    def stats(self) -> Dict[str, Any]:
+        """Traffic and residual statistics of this rank.
+
+        ``bytes_sent`` is what this rank handed to collectives (payloads of compressed tensors, full size of the
+        dense ones); ``bytes_dense`` what plain Horovod would have handed over for the same tensors and steps;
+        ``compression_ratio`` = bytes_dense / bytes_sent; ``residual_norm`` the L2 norm over all residuals.
+        """
+        steps, sent, dense = self.registry.totals()
+        squared = sum(self._residual_squared_norm(r.residual) for _, r in self.registry if r.residual is not None)
+        compressed = sum(1 for _, r in self.registry if r.residual is not None)
+        return {
+            "steps": steps,
+            "bytes_sent": sent,
+            "bytes_dense": dense,
+            "compression_ratio": (dense / sent) if sent else 1.0,
+            "residual_norm": math.sqrt(squared),
+            "tensors_compressed": compressed,
+            "tensors_dense": len(self.registry) - compressed,
+        }

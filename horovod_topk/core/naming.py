@@ -1,0 +1,24 @@
+"""Deterministic names for the collectives we issue.
+
+Horovod matches collectives across ranks by name; unnamed ones are numbered by a per-process counter that only
+matches when every rank issues them in the same order. Every allgather of ours is named from the tensor's own name,
+with a prefix of its own so it never collides with Horovod's dense allreduce of the same tensor.
+"""
+from __future__ import annotations
+
+__all__ = ["ALLGATHER_PREFIX", "allgather_name", "group_member_name"]
+
+ALLGATHER_PREFIX = "topk."
+
+
+def allgather_name(tensor_name: str) -> str:
+    return ALLGATHER_PREFIX + tensor_name
+
+
+def group_member_name(group_name: str, position: int) -> str:
+    """Name of the tensor at ``position`` of a Horovod group reduction called ``group_name``.
+
+    Horovod hands a group's collective only the group's name (that of its first tensor); the group's member order is
+    made identical on every rank by Horovod itself (broadcast from rank 0), so the position identifies a tensor.
+    """
+    return f"{group_name}#{position}"

@@ -1,0 +1,110 @@
+"""Per-tensor state that persists across steps: the error-feedback residual and the traffic counters.
+
+Keyed by the tensor's name (never by ``id`` of a gradient or its storage: ``zero_grad(set_to_none=True)`` makes a
+new gradient every step). Records are created lazily the first time a name is seen, like PowerSGD's memory. The
+residual itself is an opaque framework tensor; this module never looks inside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Generic, Iterator, Mapping, Optional, Tuple, TypeVar
+
+__all__ = ["TensorRecord", "ErrorFeedbackRegistry", "STATE_FORMAT"]
+
+R = TypeVar("R")
+
+#: Written into every state_dict so that a checkpoint from another layout is refused instead of misread.
+STATE_FORMAT = "horovod-topk/1"
+
+
+@dataclass
+class TensorRecord(Generic[R]):
+    """What we remember about one named tensor."""
+
+    shape: Tuple[int, ...]
+    #: What this rank selected but did not send yet (compensated gradient minus what went on the wire). None for
+    #: tensors that travel dense: they have nothing left over.
+    residual: Optional[R] = None
+    #: How many times the tensor went through a reduction of ours (its step counter).
+    steps: int = 0
+    #: Bytes this rank handed to collectives for this tensor, in total.
+    bytes_sent: int = 0
+    #: Bytes a dense allreduce would have been handed for the same steps: the baseline of the compression ratio.
+    bytes_dense: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class ErrorFeedbackRegistry(Generic[R]):
+    """All TensorRecords of one compressor, by tensor name."""
+
+    records: Dict[str, TensorRecord[R]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[Tuple[str, TensorRecord[R]]]:
+        return iter(self.records.items())
+
+    def record(self, name: str, shape: Tuple[int, ...]) -> TensorRecord[R]:
+        """The record of ``name``, created on first use; refuses a shape that differs from the remembered one.
+
+        A different shape under the same name means the model changed under us (or a checkpoint of another model
+        was loaded): adding such a residual would corrupt training silently, so we stop and say which tensor.
+        """
+        rec = self.records.get(name)
+        if rec is None:
+            rec = TensorRecord(shape=tuple(shape))
+            self.records[name] = rec
+        elif tuple(rec.shape) != tuple(shape):
+            raise ValueError(
+                f"horovod-topk: tensor {name!r} has shape {tuple(shape)} but its error-feedback state has shape "
+                f"{tuple(rec.shape)} (changed model, or a checkpoint of another model?)"
+            )
+        return rec
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def totals(self) -> Tuple[int, int, int]:
+        """(steps, bytes_sent, bytes_dense) over all tensors; steps is the largest per-tensor step count."""
+        steps = max((r.steps for r in self.records.values()), default=0)
+        return steps, sum(r.bytes_sent for r in self.records.values()), sum(r.bytes_dense for r in self.records.values())
+
+    def state_dict(self, export_residual: Callable[[R], Any]) -> Dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "tensors": {
+                name: {
+                    "shape": list(rec.shape),
+                    "residual": None if rec.residual is None else export_residual(rec.residual),
+                    "steps": rec.steps,
+                    "bytes_sent": rec.bytes_sent,
+                    "bytes_dense": rec.bytes_dense,
+                }
+                for name, rec in sorted(self.records.items())
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], import_residual: Callable[[str, Any], R]) -> None:
+        """Replace all records with those of ``state`` (what :meth:`state_dict` produced)."""
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"horovod-topk: not a TopKEF state_dict (expected format {STATE_FORMAT!r}, got {found!r})")
+        records: Dict[str, TensorRecord[R]] = {}
+        for name, entry in state["tensors"].items():
+            residual = entry.get("residual")
+            records[name] = TensorRecord(
+                shape=tuple(int(d) for d in entry["shape"]),
+                residual=None if residual is None else import_residual(name, residual),
+                steps=int(entry.get("steps", 0)),
+                bytes_sent=int(entry.get("bytes_sent", 0)),
+                bytes_dense=int(entry.get("bytes_dense", 0)),
+            )
+        self.records = records

@@ -1,0 +1,15 @@
+"""horovod-topk for PyTorch.
+
+    import horovod.torch as hvd
+    from horovod_topk.torch import TopKEF
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=TopKEF)
+
+Importing this package installs the routing of :mod:`horovod_topk.torch.routing` (in memory, once per process).
+"""
+from ..core import TopKConfig
+from .compressor import TopKEF
+from .routing import install as _install_routing
+
+_install_routing()
+
+__all__ = ["TopKEF", "TopKConfig"]

@@ -1,0 +1,72 @@
+"""The tensor math of TopKEF for PyTorch, as pure functions (testable without Horovod or a process group).
+
+compensate_and_select  residual += grad; pick the k largest |residual|; keep what is not sent in the residual
+pack / unpack          the core payload layout (core.payload) as a uint8 buffer and back, without copies
+scatter_sum            the dense sum of all ranks' payloads: one index_add_ over the P*k entries
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from ..core.payload import PayloadLayout
+
+__all__ = ["residual_dtype", "compensate_and_select", "pack", "unpack", "scatter_sum"]
+
+
+def residual_dtype(grad_dtype: torch.dtype) -> torch.dtype:
+    """Residuals accumulate many small unsent updates: keep them in float32 even for fp16/bf16 gradients (in
+    half precision an update smaller than the residual's last bit would be lost), float64 for float64."""
+    return torch.float64 if grad_dtype == torch.float64 else torch.float32
+
+
+def compensate_and_select(
+    grad: torch.Tensor, residual: torch.Tensor, k: int, wire_dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Error-feedback Top-K on one tensor. Updates ``residual`` (flat, residual_dtype) in place.
+
+    After the call, for every element: ``new residual + sent == old residual + grad`` where ``sent`` is the
+    returned values scattered at the returned indices, converted back to the residual's dtype. Rounding of the
+    sent values to ``wire_dtype`` is kept in the residual, so no gradient mass is ever lost.
+
+    Returns:
+        (indices int32 of shape (k,), values of ``wire_dtype`` of shape (k,)).
+    """
+    residual.add_(grad.reshape(-1))
+    indices = torch.topk(residual.abs(), k, sorted=False).indices
+    picked = residual[indices]
+    values = picked.to(wire_dtype)
+    residual[indices] = picked - values.to(residual.dtype)
+    return indices.to(torch.int32), values
+
+
+def pack(indices: torch.Tensor, values: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
+    """One uint8 buffer holding ``indices`` (int32) and ``values`` at the offsets of ``layout``."""
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=values.device)
+    buf[: layout.indices_nbytes].view(torch.int32).copy_(indices)
+    buf[layout.values_offset : layout.values_end].view(values.dtype).copy_(values)
+    # Padding bytes are zeroed so that identical inputs give identical bytes on the wire.
+    buf[layout.indices_nbytes : layout.values_offset].zero_()
+    buf[layout.values_end :].zero_()
+    return buf
+
+
+def unpack(
+    gathered: torch.Tensor, world_size: int, layout: PayloadLayout, value_dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Views (no copies) of the indices (P, k) int32 and values (P, k) in a gathered buffer of P payloads."""
+    rows = gathered.view(world_size, layout.nbytes)
+    indices = rows[:, : layout.indices_nbytes].view(torch.int32)
+    values = rows[:, layout.values_offset : layout.values_end].view(value_dtype)
+    return indices, values
+
+
+def scatter_sum(indices: torch.Tensor, values: torch.Tensor, numel: int, acc_dtype: torch.dtype) -> torch.Tensor:
+    """Dense flat tensor of ``numel`` elements with every (index, value) pair of every rank added in.
+
+    Ranks may select the same index; index_add_ adds them all, which is the sum a dense allreduce would give.
+    """
+    dense = torch.zeros(numel, dtype=acc_dtype, device=values.device)
+    dense.index_add_(0, indices.reshape(-1), values.reshape(-1).to(acc_dtype))
+    return dense

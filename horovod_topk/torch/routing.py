@@ -1,0 +1,162 @@
+"""Routes tensors marked by ``TopKEF.compress`` to Top-K allgathers inside Horovod's PyTorch optimizer.
+
+``hvd.DistributedOptimizer`` calls three functions that ``horovod/torch/optimizer.py`` imported into its own
+namespace: ``allreduce_async_``, ``grouped_allreduce_async_`` and ``synchronize``. We replace those three names *in
+that module's namespace, in memory* (nothing on disk changes) with functions that hand every tensor without our
+mark straight to Horovod's originals, unchanged. A marked tensor is where the name is finally known, so its
+compressed reduction starts there; dense decisions go back to Horovod's own collectives (grouped ones stay grouped).
+
+``hvd.DistributedOptimizer`` itself is wrapped to refuse, at construction, what TopKEF cannot do (Adasum).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ..core import group_member_name
+from .compressor import PENDING_ATTR, PendingReduction, TopKEF, TopKHandle
+
+__all__ = ["install", "GroupHandle"]
+
+_INSTALLED_FLAG = "_horovod_topk_routing"
+
+
+class GroupHandle:
+    """Handle of a Horovod group whose members went partly Top-K, partly dense (one grouped allreduce)."""
+
+    def __init__(
+        self,
+        size: int,
+        topk: Dict[int, TopKHandle],
+        dense_positions: List[int],
+        dense_handle: Any,
+        wait_dense: Callable[[Any], Any],
+    ) -> None:
+        self._size = size
+        self._topk = topk
+        self._dense_positions = dense_positions
+        self._dense_handle = dense_handle
+        self._wait_dense = wait_dense
+
+    def __call__(self) -> List[torch.Tensor]:
+        outputs: List[Optional[torch.Tensor]] = [None] * self._size
+        if self._dense_positions:
+            for position, output in zip(self._dense_positions, self._wait_dense(self._dense_handle)):
+                outputs[position] = output
+        for position, handle in self._topk.items():
+            outputs[position] = handle()
+        return outputs  # type: ignore[return-value]
+
+
+def _pending(tensor: Any) -> Optional[PendingReduction]:
+    return getattr(tensor, PENDING_ATTR, None)
+
+
+def install() -> None:
+    """Install the routing once per process (idempotent). Raises ImportError on an unknown Horovod layout."""
+    import horovod.torch as hvd
+    import horovod.torch.optimizer as hvd_optimizer
+    from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
+
+    if getattr(hvd_optimizer, _INSTALLED_FLAG, False):
+        return
+    needed = ("allreduce_async_", "grouped_allreduce_async_", "synchronize", "DistributedOptimizer")
+    missing = [n for n in needed if not hasattr(hvd_optimizer, n)]
+    if missing:
+        raise ImportError(
+            f"horovod-topk: this Horovod ({getattr(hvd, '__version__', '?')}) has no {', '.join(missing)} in "
+            f"horovod.torch.optimizer; horovod-topk supports Horovod 0.28."
+        )
+    dense_allreduce_async_ = hvd_optimizer.allreduce_async_
+    dense_grouped_allreduce_async_ = hvd_optimizer.grouped_allreduce_async_
+    horovod_synchronize = hvd_optimizer.synchronize
+    horovod_distributed_optimizer = hvd_optimizer.DistributedOptimizer
+
+    def allreduce_async_(
+        tensor: torch.Tensor,
+        average: Any = None,
+        name: Optional[str] = None,
+        op: Any = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: Any = global_process_set,
+    ) -> Any:
+        pending = _pending(tensor)
+        if pending is not None and name is not None:
+            handle = pending.compressor.start_reduction(
+                tensor, pending, name, op=op, prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor, process_set=process_set,
+            )
+            if handle is not None:
+                return handle
+        return dense_allreduce_async_(
+            tensor, average=average, name=name, op=op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, process_set=process_set,
+        )
+
+    def grouped_allreduce_async_(
+        tensors: Sequence[torch.Tensor],
+        average: Any = None,
+        name: Optional[str] = None,
+        op: Any = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: Any = global_process_set,
+    ) -> Any:
+        if name is None or all(_pending(t) is None for t in tensors):
+            return dense_grouped_allreduce_async_(
+                tensors, average=average, name=name, op=op, prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor, process_set=process_set,
+            )
+        topk: Dict[int, TopKHandle] = {}
+        dense_positions: List[int] = []
+        for position, tensor in enumerate(tensors):
+            pending = _pending(tensor)
+            handle = None
+            if pending is not None:
+                handle = pending.compressor.start_reduction(
+                    tensor, pending, group_member_name(name, position), op=op,
+                    prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set,
+                )
+            if handle is None:
+                dense_positions.append(position)
+            else:
+                topk[position] = handle
+        dense_handle = None
+        if dense_positions:
+            dense_handle = dense_grouped_allreduce_async_(
+                [tensors[i] for i in dense_positions], average=average, name=name, op=op,
+                prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set,
+            )
+        return GroupHandle(len(tensors), topk, dense_positions, dense_handle, horovod_synchronize)
+
+    def synchronize(handle: Any) -> Any:
+        if isinstance(handle, (TopKHandle, GroupHandle)):
+            return handle()
+        return horovod_synchronize(handle)
+
+    @functools.wraps(horovod_distributed_optimizer)
+    def DistributedOptimizer(*args: Any, **kwargs: Any) -> Any:
+        compression = kwargs.get("compression", args[2] if len(args) > 2 else None)
+        op = kwargs.get("op", args[4] if len(args) > 4 else None)
+        uses_topk = isinstance(compression, TopKEF) or (
+            isinstance(compression, type) and issubclass(compression, TopKEF)
+        )
+        if uses_topk and op == Adasum:
+            raise ValueError(
+                "horovod-topk: TopKEF cannot be combined with op=hvd.Adasum (Adasum combines dense gradients "
+                "pairwise); use op=hvd.Average or hvd.Sum."
+            )
+        if uses_topk and op is not None and op not in (Average, Sum):
+            raise ValueError(f"horovod-topk: TopKEF supports op=hvd.Average and op=hvd.Sum, not op={op!r}")
+        return horovod_distributed_optimizer(*args, **kwargs)
+
+    hvd_optimizer.allreduce_async_ = allreduce_async_
+    hvd_optimizer.grouped_allreduce_async_ = grouped_allreduce_async_
+    hvd_optimizer.synchronize = synchronize
+    hvd_optimizer.DistributedOptimizer = DistributedOptimizer
+    if getattr(hvd, "DistributedOptimizer", None) is horovod_distributed_optimizer:
+        hvd.DistributedOptimizer = DistributedOptimizer
+    setattr(hvd_optimizer, _INSTALLED_FLAG, True)

@@ -1,0 +1,105 @@
+"""TopKEF on one process: Horovod's compressor contract, and the full routed reduction on a 1-rank Horovod."""
+import horovod.torch as hvd
+import pytest
+import torch
+
+from horovod_topk.torch import TopKEF
+from horovod_topk.torch.compressor import PENDING_ATTR
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod_single():
+    hvd.init()
+    yield
+
+
+def test_compress_marks_an_alias_of_the_same_storage():
+    comp = TopKEF(ratio=0.1)
+    grad = torch.randn(100)
+    marked, ctx = comp.compress(grad)
+    assert marked.data_ptr() == grad.data_ptr() and getattr(marked, PENDING_ATTR) is ctx
+    assert not hasattr(grad, PENDING_ATTR)
+    assert ctx.route == "unrouted"
+
+
+def test_class_and_instance_are_both_compressors():
+    grad = torch.randn(10)
+    marked, ctx = TopKEF.compress(grad)
+    assert ctx.compressor is TopKEF.default() and TopKEF.default().config.ratio == 0.01
+    with pytest.warns(UserWarning, match="outside hvd.DistributedOptimizer"):
+        assert TopKEF.decompress(marked, ctx) is marked
+
+
+def test_plain_hvd_allreduce_with_topkef_stays_correct_dense():
+    t = torch.arange(10, dtype=torch.float32)
+    out = hvd.allreduce(t, name="plain", compression=TopKEF(ratio=0.1))
+    torch.testing.assert_close(out, t)
+
+
+def _route(comp, grad, name, op=hvd.Average):
+    import horovod.torch.optimizer as hvd_optimizer
+
+    marked, ctx = comp.compress(grad)
+    handle = hvd_optimizer.allreduce_async_(marked, name=name, op=op)
+    out = handle() if callable(handle) else hvd_optimizer.synchronize(handle)
+    return comp.decompress(out, ctx), ctx
+
+
+def test_routed_reduction_on_one_rank_sends_exactly_top_k_and_keeps_the_rest():
+    comp = TopKEF(ratio=0.01, min_numel=0)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(50, 40, generator=gen) for _ in range(4)]
+    total_out = torch.zeros(50, 40)
+    for step, grad in enumerate(grads):
+        out, ctx = _route(comp, grad.clone(), "w")
+        assert ctx.route == "topk" and out.shape == grad.shape and out.dtype == grad.dtype
+        assert int((out != 0).sum()) == 20  # k = ceil(0.01 * 2000)
+        total_out += out
+    residual = comp.registry.records["w"].residual.view(50, 40)
+    torch.testing.assert_close(total_out + residual, sum(grads))
+    s = comp.stats()
+    assert s["steps"] == 4 and s["bytes_dense"] == 4 * 2000 * 4 and s["bytes_sent"] == 4 * 20 * 8
+    assert s["compression_ratio"] == 50.0 and s["residual_norm"] > 0
+
+
+def test_small_and_integer_tensors_go_dense():
+    comp = TopKEF(ratio=0.01, min_numel=1024)
+    out, ctx = _route(comp, torch.ones(10), "bias")
+    assert ctx.route == "dense" and torch.equal(out, torch.ones(10))
+    out, ctx = _route(comp, torch.ones(4096, dtype=torch.int32), "counts", op=hvd.Sum)
+    assert ctx.route == "dense" and torch.equal(out, torch.ones(4096, dtype=torch.int32))
+    assert comp.registry.records["bias"].residual is None
+
+
+def test_state_dict_round_trip_continues_identically():
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(3000, generator=gen) for _ in range(6)]
+    a = TopKEF(ratio=0.01)
+    for g in grads[:3]:
+        _route(a, g.clone(), "w")
+    state = a.state_dict()
+    b = TopKEF(ratio=0.01)
+    b.load_state_dict(state)
+    for g in grads[3:]:
+        out_a, _ = _route(a, g.clone(), "w")
+        out_b, _ = _route(b, g.clone(), "w")
+        assert torch.equal(out_a, out_b)
+    assert a.stats() == b.stats()
+
+
+def test_loaded_state_of_another_shape_is_refused_by_name():
+    a = TopKEF(ratio=0.1)
+    _route(a, torch.randn(2000), "w")
+    b = TopKEF(ratio=0.1)
+    b.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="'w' has shape"):
+        _route(b, torch.randn(1000, 3), "w")
+
+
+def test_adasum_and_unsupported_ops_are_refused_at_construction():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=TopKEF, op=hvd.Adasum)
+    with pytest.raises(ValueError, match="op=hvd.Average and op=hvd.Sum"):
+        hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=TopKEF(), op=hvd.Max)

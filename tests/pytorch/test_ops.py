@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from horovod_topk.core import PayloadLayout
+from horovod_topk.torch import ops
+
+
+def _sent_dense(indices, values, numel, dtype):
+    sent = torch.zeros(numel, dtype=dtype)
+    sent[indices.long()] = values.to(dtype)
+    return sent
+
+
+@pytest.mark.parametrize("k", [1, 10, 1000])
+def test_selection_keeps_the_k_largest_and_loses_no_mass(k):
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(1000, generator=gen)
+    residual = torch.randn(1000, generator=gen) * 0.1
+    compensated = residual + grad
+    indices, values = ops.compensate_and_select(grad, residual, k, torch.float32)
+    assert indices.dtype == torch.int32 and indices.shape == (k,) and values.shape == (k,)
+    assert len(set(indices.tolist())) == k
+    expected = set(torch.topk(compensated.abs(), k).indices.tolist())
+    assert set(indices.tolist()) == expected
+    torch.testing.assert_close(_sent_dense(indices, values, 1000, torch.float32) + residual, compensated)
+    assert torch.all(residual[indices.long()] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rounding_stays_in_the_float32_residual(dtype):
+    gen = torch.Generator().manual_seed(1)
+    grad = (torch.randn(4096, generator=gen) * 3).to(dtype)
+    residual = torch.randn(4096, generator=gen, dtype=torch.float32) * 1e-3
+    compensated = residual + grad.float()
+    indices, values = ops.compensate_and_select(grad, residual, 64, dtype)
+    assert values.dtype == dtype and residual.dtype == torch.float32
+    rounding = residual[indices.long()]
+    assert rounding.abs().max() > 0, "float32 + small residual must round when sent in half precision"
+    torch.testing.assert_close(_sent_dense(indices, values, 4096, torch.float32) + residual, compensated,
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_pack_unpack_round_trip_for_every_rank(dtype, k):
+    layout = PayloadLayout(k, torch.tensor([], dtype=dtype).element_size())
+    rows = []
+    for rank in range(3):
+        idx = torch.arange(k, dtype=torch.int32) * 7 + rank
+        val = (torch.arange(k) + 100 * rank).to(dtype)
+        buf = ops.pack(idx, val, layout)
+        assert buf.dtype == torch.uint8 and buf.numel() == layout.nbytes
+        rows.append((idx, val, buf))
+    gathered = torch.cat([b for _, _, b in rows])
+    indices, values = ops.unpack(gathered, 3, layout, dtype)
+    for rank, (idx, val, _) in enumerate(rows):
+        assert torch.equal(indices[rank], idx) and torch.equal(values[rank], val)
+
+
+def test_scatter_sum_adds_entries_of_all_ranks_including_collisions():
+    indices = torch.tensor([[0, 5], [5, 9]], dtype=torch.int32)
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    dense = ops.scatter_sum(indices, values, 10, torch.float32)
+    expected = torch.zeros(10)
+    expected[0], expected[5], expected[9] = 1.0, 5.0, 4.0
+    assert torch.equal(dense, expected)
+
+
+def test_residual_dtype():
+    assert ops.residual_dtype(torch.float16) == torch.float32
+    assert ops.residual_dtype(torch.bfloat16) == torch.float32
+    assert ops.residual_dtype(torch.float64) == torch.float64
