@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sets everything up if needed (scripts/setup.sh), then runs the whole test suite:
+#   1. single-process tests (core, framework adapters) with pytest;
+#   2. the multi-worker tests in tests/parallel on 2 real Horovod workers, once with the Gloo controller and
+#      once with MPI (horovodrun -np 2 -H localhost:2 --gloo / --mpi).
+# Ends with one line "N passed, N failed, N skipped" summed over all runs (rank 0's view of the parallel ones).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/scripts/setup.sh" || exit 1
+source "$ROOT/scripts/env.sh"
+cd "$ROOT"
+
+reports="$(mktemp -d)"
+trap 'rm -rf "$reports"' EXIT
+status=0
+
+echo "== single-process tests"
+python -m pytest tests --ignore=tests/parallel -q -p no:cacheprovider --color=no --junitxml="$reports/unit.xml" "$@" || status=1
+
+for controller in gloo mpi; do
+  echo "== multi-worker tests: horovodrun -np 2 --$controller"
+  # The rank goes into each report's name; `timeout` turns an unexpected hang into a failure.
+  timeout 1200 horovodrun -np 2 -H localhost:2 "--$controller" \
+    sh -c "exec python -m pytest tests/parallel -q -p no:cacheprovider --color=no \
+           --junitxml=$reports/parallel-$controller-rank\${HOROVOD_RANK:-\$OMPI_COMM_WORLD_RANK}.xml $*" \
+    || status=1
+done
+
+python - "$reports" <<'PY'
+import glob, sys, xml.etree.ElementTree as ET
+passed = failed = skipped = 0
+files = [f for f in sorted(glob.glob(sys.argv[1] + "/*.xml")) if "-rank" not in f or f.endswith("-rank0.xml")]
+for f in files:
+    for suite in ET.parse(f).getroot().iter("testsuite"):
+        t, fl, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+        passed += t - fl - e - s; failed += fl + e; skipped += s
+print(f"{passed} passed, {failed} failed, {skipped} skipped")
+PY
+exit $status
