@@ -1,0 +1,112 @@
+"""Train a small CNN on scikit-learn's handwritten digits with Horovod and TopKEF.
+
+Real data, shipped with scikit-learn (1,797 8x8 images, no download). Each worker trains on its own shard of the
+training split; rank 0 prints per-epoch loss, test accuracy and the bytes this rank handed to collectives versus
+what a dense allreduce would have handed over.
+
+    horovodrun -np 2 -H localhost:2 python examples/digits_torch.py               # TopKEF, ratio 0.01
+    horovodrun -np 2 -H localhost:2 python examples/digits_torch.py --dense       # plain Horovod, for comparison
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+
+from horovod_topk.torch import TopKEF
+
+
+class DigitsCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def load_split(seed: int):
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8) in [0, 1]
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
+    )
+    return (torch.from_numpy(x_train), torch.from_numpy(y_train).long(),
+            torch.from_numpy(x_test), torch.from_numpy(y_test).long())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--ratio", type=float, default=0.01, help="TopKEF ratio")
+    parser.add_argument("--dense", action="store_true", help="plain Horovod allreduce instead of TopKEF")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    hvd.init()
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_split(args.seed)
+    shard = slice(hvd.rank(), None, hvd.size())  # each worker its own part of the training set
+    x_train, y_train = x_train[shard], y_train[shard]
+
+    model = DigitsCNN()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    compression = hvd.Compression.none if args.dense else TopKEF(ratio=args.ratio)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+    )
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    if hvd.rank() == 0:
+        method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
+        print(f"digits CNN: {n_params} parameters, {hvd.size()} workers, {method}, "
+              f"{len(x_train)} training images per worker, {len(x_test)} test images", flush=True)
+
+    gen = torch.Generator().manual_seed(args.seed + hvd.rank())
+    start = time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        model.train()
+        order = torch.randperm(len(x_train), generator=gen)
+        # the same number of steps on every worker, or one of them would wait for the other's gradients forever
+        steps = hvd.allreduce(torch.tensor(len(order) // args.batch_size), op=hvd.Min, name="steps").item()
+        total_loss = 0.0
+        for step in range(steps):
+            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            optimizer.step()
+            total_loss += loss.item()
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        mean_loss = hvd.allreduce(torch.tensor(total_loss / steps), name="loss").item()
+        if hvd.rank() == 0:
+            line = f"epoch {epoch:2d}  loss {mean_loss:.4f}  test accuracy {accuracy:.4f}"
+            if not args.dense:
+                s = optimizer._compression.stats()
+                line += (f"  sent {s['bytes_sent'] / 1e6:.2f} MB vs dense {s['bytes_dense'] / 1e6:.2f} MB"
+                         f" ({s['compression_ratio']:.1f}x less)")
+            print(line, flush=True)
+    if hvd.rank() == 0:
+        print(f"done in {time.perf_counter() - start:.1f} s; final test accuracy {accuracy:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
