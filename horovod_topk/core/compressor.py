@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Callable, Dict, Generic, Mapping, Optional, TypeVar
+import warnings
+from typing import Any, Callable, Dict, Generic, Mapping, Optional, Tuple, TypeVar
 
 from .config import TopKConfig
+from .pending import PendingReduction, mark
 from .registry import ErrorFeedbackRegistry
 
 __all__ = ["TopKEFBase", "default_instance_method"]
@@ -68,6 +70,8 @@ class TopKEFBase(abc.ABC, Generic[R]):
         self.config = config if config is not None else TopKConfig(**options)
         #: Residuals and counters by tensor name; what a checkpoint must keep (see state_dict).
         self.registry: ErrorFeedbackRegistry[R] = ErrorFeedbackRegistry()
+        #: Warn once per compressor, not per step, when a tensor reached us with nothing to route it.
+        self._warned_unrouted = False
 
     @classmethod
     def default(cls) -> "TopKEFBase[R]":
@@ -81,7 +85,36 @@ class TopKEFBase(abc.ABC, Generic[R]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.describe()[len('TopKConfig('):-1]})"
 
+    # ---- Horovod's compressor API --------------------------------------------------------------------------
+    @default_instance_method
+    def compress(self, tensor: Any) -> Tuple[Any, PendingReduction]:
+        """Mark ``tensor`` for the routing; the selection happens where Horovod launches the collective."""
+        pending = PendingReduction(self, tensor.dtype, self._static_shape(tensor), self._graph_name(tensor))
+        return mark(self._alias(tensor), pending), pending
+
+    @default_instance_method
+    def decompress(self, tensor: Any, ctx: Optional[PendingReduction]) -> Any:
+        """The reduced tensor: the routing already produced it in the gradient's dtype and shape."""
+        if ctx is not None and ctx.route == "unrouted" and not self._warned_unrouted:
+            self._warned_unrouted = True
+            warnings.warn(
+                "horovod-topk: TopKEF reduced a tensor that has no name (used outside hvd.DistributedOptimizer / "
+                "DistributedGradientTape, or eagerly without name=): it was reduced dense, without Top-K.",
+                stacklevel=2,
+            )
+        return tensor
+
     # ---- framework hooks -------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _alias(self, tensor: Any) -> Any:
+        """A new tensor object sharing ``tensor``'s value, to carry the mark without touching the gradient."""
+
+    def _static_shape(self, tensor: Any) -> Tuple[Optional[int], ...]:
+        return tuple(tensor.shape)
+
+    def _graph_name(self, tensor: Any) -> Optional[str]:
+        return None
+
     @abc.abstractmethod
     def _export_residual(self, residual: R) -> Any:
         """A copy of ``residual`` fit for a checkpoint of this framework."""

@@ -68,11 +68,13 @@ class PayloadLayout:
         a different shape under the same name, would otherwise be decoded as garbage. All ranks receive the same
         gathered size, so all of them raise together instead of some of them hanging.
         """
-        expected = world_size * self.nbytes
-        if gathered_nbytes != expected:
-            raise PayloadSizeMismatch(
-                f"horovod-topk: ranks disagree about tensor {tensor_name!r}: received {gathered_nbytes} payload bytes "
-                f"from {world_size} ranks, but this rank expects {world_size} x {self.nbytes} (k={self.k}, "
-                f"{self.value_itemsize}-byte values). Check that every rank uses the same TopKEF configuration and "
-                f"the same model."
-            )
+        if gathered_nbytes != world_size * self.nbytes:
+            raise PayloadSizeMismatch(self.mismatch_message(tensor_name, world_size, gathered_nbytes))
+
+    def mismatch_message(self, tensor_name: str, world_size: int, gathered_nbytes: object = "a different number of") -> str:
+        return (
+            f"horovod-topk: ranks disagree about tensor {tensor_name!r}: received {gathered_nbytes} payload bytes "
+            f"from {world_size} ranks, but this rank expects {world_size} x {self.nbytes} (k={self.k}, "
+            f"{self.value_itemsize}-byte values). Check that every rank uses the same TopKEF configuration and "
+            f"the same model."
+        )

@@ -9,31 +9,14 @@ routes the mark and the tensor is simply reduced dense.
 """
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from ..core import PayloadLayout, TopKEFBase, allgather_name, plan_tensor
+from ..core import PayloadLayout, PendingReduction, TopKEFBase, allgather_name, plan_tensor, reduction_scale
 from . import ops
 
-__all__ = ["TopKEF", "PendingReduction", "TopKHandle", "PENDING_ATTR"]
-
-#: Attribute set on the alias returned by ``compress`` so the routing can recognise it.
-PENDING_ATTR = "_horovod_topk_pending"
-
-
-@dataclass
-class PendingReduction:
-    """The ``ctx`` of one compress() call; ``route`` records what the routing did with it."""
-
-    compressor: "TopKEF"
-    dtype: torch.dtype
-    shape: Tuple[int, ...]
-    #: "unrouted" until the routing sees it, then "dense" or "topk".
-    route: str = "unrouted"
-
+__all__ = ["TopKEF", "TopKHandle"]
 
 class TopKHandle:
     """Handle of one in-flight compressed reduction; calling it waits and returns the dense reduced gradient.
@@ -90,26 +73,8 @@ class TopKEF(TopKEFBase[torch.Tensor]):
     Use one compressor object per optimizer: residuals are keyed by parameter name.
     """
 
-    _warned_unrouted = False
-
-    # ---- Horovod's compressor API --------------------------------------------------------------------------
-    def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, PendingReduction]:
-        """Mark ``tensor`` for the routing; the actual selection happens when Horovod launches the collective."""
-        pending = PendingReduction(self, tensor.dtype, tuple(tensor.shape))
-        marked = tensor.detach()  # shares storage with the gradient: a dense in-place allreduce still lands there
-        setattr(marked, PENDING_ATTR, pending)
-        return marked, pending
-
-    def decompress(self, tensor: torch.Tensor, ctx: Optional[PendingReduction]) -> torch.Tensor:
-        """The reduced tensor: the routing already produced it in the gradient's dtype and shape."""
-        if ctx is not None and ctx.route == "unrouted" and not TopKEF._warned_unrouted:
-            TopKEF._warned_unrouted = True
-            warnings.warn(
-                "horovod-topk: TopKEF was used outside hvd.DistributedOptimizer / DistributedGradientTape; the "
-                "tensor was reduced dense (no Top-K, no error feedback).",
-                stacklevel=2,
-            )
-        return tensor
+    def _alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()  # shares storage with the gradient: a dense in-place allreduce still lands there
 
     # ---- called by the routing -----------------------------------------------------------------------------
     def start_reduction(
@@ -128,9 +93,10 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         The caller issues the dense allreduce itself for a None, so that dense tensors of a group stay one
         grouped collective.
         """
-        from horovod.torch.mpi_ops import allgather_async, synchronize
+        from horovod.torch.mpi_ops import Average, Sum, allgather_async, synchronize
 
-        scale = _reduction_scale(op, prescale_factor, postscale_factor, process_set.size())
+        op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
+        scale = reduction_scale(op_name, prescale_factor, postscale_factor, process_set.size())
         plan = plan_tensor(name, tensor.numel(), tensor.is_floating_point(), self.config)
         record = self.registry.record(name, tuple(tensor.shape))
         dense_nbytes = tensor.numel() * tensor.element_size()
@@ -173,14 +139,3 @@ class TopKEF(TopKEFBase[torch.Tensor]):
 
     def _residual_squared_norm(self, residual: torch.Tensor) -> float:
         return float(residual.double().pow(2).sum())
-
-
-def _reduction_scale(op: Any, prescale_factor: float, postscale_factor: float, world_size: int) -> float:
-    """The factor Horovod's allreduce would apply to the sum: pre * post, and 1/size for Average."""
-    from horovod.torch.mpi_ops import Average, Sum
-
-    if op == Average:
-        return prescale_factor * postscale_factor / world_size
-    if op == Sum:
-        return prescale_factor * postscale_factor
-    raise ValueError(f"horovod-topk: TopKEF supports op=hvd.Average and op=hvd.Sum, not op={op!r}")

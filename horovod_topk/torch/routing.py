@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..core import group_member_name
-from .compressor import PENDING_ATTR, PendingReduction, TopKEF, TopKHandle
+from ..core import group_member_name, pending_of
+from .compressor import TopKEF, TopKHandle
 
 __all__ = ["install", "GroupHandle"]
 
@@ -50,10 +50,6 @@ class GroupHandle:
         return outputs  # type: ignore[return-value]
 
 
-def _pending(tensor: Any) -> Optional[PendingReduction]:
-    return getattr(tensor, PENDING_ATTR, None)
-
-
 def install() -> None:
     """Install the routing once per process (idempotent). Raises ImportError on an unknown Horovod layout."""
     import horovod.torch as hvd
@@ -83,7 +79,7 @@ def install() -> None:
         postscale_factor: float = 1.0,
         process_set: Any = global_process_set,
     ) -> Any:
-        pending = _pending(tensor)
+        pending = pending_of(tensor)
         if pending is not None and name is not None:
             handle = pending.compressor.start_reduction(
                 tensor, pending, name, op=op, prescale_factor=prescale_factor,
@@ -105,7 +101,7 @@ def install() -> None:
         postscale_factor: float = 1.0,
         process_set: Any = global_process_set,
     ) -> Any:
-        if name is None or all(_pending(t) is None for t in tensors):
+        if name is None or all(pending_of(t) is None for t in tensors):
             return dense_grouped_allreduce_async_(
                 tensors, average=average, name=name, op=op, prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor, process_set=process_set,
@@ -113,7 +109,7 @@ def install() -> None:
         topk: Dict[int, TopKHandle] = {}
         dense_positions: List[int] = []
         for position, tensor in enumerate(tensors):
-            pending = _pending(tensor)
+            pending = pending_of(tensor)
             handle = None
             if pending is not None:
                 handle = pending.compressor.start_reduction(

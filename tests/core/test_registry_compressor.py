@@ -8,8 +8,8 @@ from horovod_topk.core import STATE_FORMAT, ErrorFeedbackRegistry, TopKConfig, T
 class ListCompressor(TopKEFBase[list]):
     """A framework-free stand-in whose residuals are Python lists."""
 
-    def compress(self, tensor):
-        return tensor, None
+    def _alias(self, tensor):
+        return type("Alias", (), {"value": tensor})()
 
     def _export_residual(self, residual):
         return list(residual)
@@ -68,3 +68,25 @@ def test_options_and_config_are_exclusive():
         ListCompressor(ratio=0.1, config=TopKConfig())
     with pytest.raises(ValueError, match="ratio"):
         ListCompressor(ratio=2)
+
+
+def test_compress_marks_an_alias_and_decompress_warns_when_nothing_routed_it():
+    from horovod_topk.core import pending_of
+
+    comp = ListCompressor()
+    tensor = type("T", (), {"dtype": "float32", "shape": (3,)})()
+    alias, ctx = comp.compress(tensor)
+    assert pending_of(alias) is ctx and pending_of(tensor) is None
+    assert ctx.compressor is comp and ctx.shape == (3,) and ctx.route == "unrouted"
+    with pytest.warns(UserWarning, match="has no name"):
+        assert comp.decompress(alias, ctx) is alias
+
+
+def test_reduction_scale():
+    from horovod_topk.core import reduction_scale
+
+    assert reduction_scale("average", 1.0, 1.0, 4) == 0.25
+    assert reduction_scale("average", 0.5, 2.0, 2) == 0.5
+    assert reduction_scale("sum", 1.0, 1.0, 4) == 1.0
+    with pytest.raises(ValueError, match="Average and op=hvd.Sum"):
+        reduction_scale("max", 1.0, 1.0, 2)
