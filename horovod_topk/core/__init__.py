@@ -7,7 +7,7 @@ what goes on the wire can be tested and reasoned about without a framework or a 
 from .compressor import TopKEFBase, default_instance_method
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
 from .naming import allgather_name, group_member_name
-from .pending import PENDING_ATTR, PendingReduction, mark, pending_of, reduction_scale
+from .pending import PENDING_ATTR, PendingReduction, mark, pending_of, reduction_scale, refuse_unsupported_op
 from .payload import ALIGNMENT, INDEX_ITEMSIZE, PayloadLayout, PayloadSizeMismatch
 from .policy import TensorPlan, plan_tensor, selected_count
 from .registry import STATE_FORMAT, ErrorFeedbackRegistry, TensorRecord
@@ -34,4 +34,5 @@ __all__ = [
     "mark",
     "pending_of",
     "reduction_scale",
+    "refuse_unsupported_op",
 ]

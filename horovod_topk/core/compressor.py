@@ -109,6 +109,12 @@ class TopKEFBase(abc.ABC, Generic[R]):
     def _alias(self, tensor: Any) -> Any:
         """A new tensor object sharing ``tensor``'s value, to carry the mark without touching the gradient."""
 
+    def _refresh_counters(self) -> None:
+        """Bring the registry's counters up to date (TensorFlow keeps them in variables updated in-graph)."""
+
+    def _after_load(self) -> None:
+        """Push freshly loaded records into framework state that already exists (TensorFlow variables)."""
+
     def _static_shape(self, tensor: Any) -> Tuple[Optional[int], ...]:
         return tuple(tensor.shape)
 
@@ -135,6 +141,7 @@ class TopKEFBase(abc.ABC, Generic[R]):
         Residuals are real training state: they hold gradient mass that was computed but not applied yet.
         Save this next to the model and optimizer state of *each rank* and load it back on restart.
         """
+        self._refresh_counters()
         state = self.registry.state_dict(self._export_residual)
         state["config"] = self.config.to_dict()
         return state
@@ -143,6 +150,7 @@ class TopKEFBase(abc.ABC, Generic[R]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. Shapes are checked when each tensor is next reduced."""
         self.registry.load_state_dict(state, self._import_residual)
+        self._after_load()
 
     @default_instance_method
     def reset(self) -> None:
@@ -157,6 +165,7 @@ class TopKEFBase(abc.ABC, Generic[R]):
         dense ones); ``bytes_dense`` what plain Horovod would have handed over for the same tensors and steps;
         ``compression_ratio`` = bytes_dense / bytes_sent; ``residual_norm`` the L2 norm over all residuals.
         """
+        self._refresh_counters()
         steps, sent, dense = self.registry.totals()
         squared = sum(self._residual_squared_norm(r.residual) for _, r in self.registry if r.residual is not None)
         compressed = sum(1 for _, r in self.registry if r.residual is not None)

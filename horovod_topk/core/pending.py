@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-__all__ = ["PendingReduction", "PENDING_ATTR", "mark", "pending_of", "reduction_scale"]
+__all__ = ["PendingReduction", "PENDING_ATTR", "mark", "pending_of", "reduction_scale", "refuse_unsupported_op"]
 
 #: The attribute that carries the mark.
 PENDING_ATTR = "_horovod_topk_pending"
@@ -49,3 +49,15 @@ def reduction_scale(op_name: str, prescale_factor: float, postscale_factor: floa
     if op_name == "sum":
         return prescale_factor * postscale_factor
     raise ValueError(f"horovod-topk: TopKEF supports op=hvd.Average and op=hvd.Sum, not {op_name}")
+
+
+def refuse_unsupported_op(uses_topk: bool, op: Any, average: Any, sum_: Any, adasum: Any) -> None:
+    """Raise at construction of a distributed optimizer/tape when TopKEF is combined with an op it cannot do."""
+    if not uses_topk or op is None or op in (average, sum_):
+        return
+    if op == adasum:
+        raise ValueError(
+            "horovod-topk: TopKEF cannot be combined with op=hvd.Adasum (Adasum combines dense gradients "
+            "pairwise); use op=hvd.Average or hvd.Sum."
+        )
+    raise ValueError(f"horovod-topk: TopKEF supports op=hvd.Average and op=hvd.Sum, not op={op!r}")

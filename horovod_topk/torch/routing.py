@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..core import group_member_name, pending_of
+from ..core import group_member_name, pending_of, refuse_unsupported_op
 from .compressor import TopKEF, TopKHandle
 
 __all__ = ["install", "GroupHandle"]
@@ -140,13 +140,7 @@ def install() -> None:
         uses_topk = isinstance(compression, TopKEF) or (
             isinstance(compression, type) and issubclass(compression, TopKEF)
         )
-        if uses_topk and op == Adasum:
-            raise ValueError(
-                "horovod-topk: TopKEF cannot be combined with op=hvd.Adasum (Adasum combines dense gradients "
-                "pairwise); use op=hvd.Average or hvd.Sum."
-            )
-        if uses_topk and op is not None and op not in (Average, Sum):
-            raise ValueError(f"horovod-topk: TopKEF supports op=hvd.Average and op=hvd.Sum, not op={op!r}")
+        refuse_unsupported_op(uses_topk, op, Average, Sum, Adasum)
         return horovod_distributed_optimizer(*args, **kwargs)
 
     hvd_optimizer.allreduce_async_ = allreduce_async_

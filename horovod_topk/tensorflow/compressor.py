@@ -1,0 +1,154 @@
+"""``TopKEF`` for ``horovod.tensorflow``: DistributedGradientTape, DistributedOptimizer and the Keras wrapper.
+
+Same design as the PyTorch one (see horovod_topk.core.pending): ``compress`` marks, the routing of
+:mod:`horovod_topk.tensorflow.routing` calls :meth:`TopKEF.start_reduction` where Horovod launches its allreduce.
+Horovod runs that inside a ``tf.function``, so the state lives in ``tf.Variable``s created once per tensor (under
+``tf.init_scope``, i.e. outside the traced graph) and updated by ops in the graph: the residual, and an int64
+counter vector (steps, bytes sent, bytes dense) that ``stats()`` reads back.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from ..core import PayloadLayout, PendingReduction, TensorRecord, TopKEFBase, allgather_name, plan_tensor, reduction_scale
+from . import ops
+
+__all__ = ["TopKEF"]
+
+
+class TopKEF(TopKEFBase[Any]):
+    """Top-K with error feedback for ``hvd.DistributedGradientTape(tape, compression=TopKEF)`` and
+    ``hvd.DistributedOptimizer(opt, compression=TopKEF(ratio=0.001))``.
+
+    Residual keys are the names Horovod gives the reduction (the gradient's graph name, or ``grad_<i>`` with
+    ``use_generic_names``): the same program gives the same keys on every rank and every run.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Per tensor name: the residual variable and the (steps, bytes_sent, bytes_dense) counter variable.
+        self._residual_vars: Dict[str, tf.Variable] = {}
+        self._counter_vars: Dict[str, tf.Variable] = {}
+
+    # ---- compressor API hooks ------------------------------------------------------------------------------
+    def _alias(self, tensor: tf.Tensor) -> tf.Tensor:
+        return tf.identity(tensor)
+
+    def _static_shape(self, tensor: tf.Tensor) -> tuple:
+        return tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else (None,)
+
+    def _graph_name(self, tensor: tf.Tensor) -> Optional[str]:
+        return None if tf.executing_eagerly() else tensor.name
+
+    # ---- called by the routing -----------------------------------------------------------------------------
+    def start_reduction(
+        self,
+        tensor: tf.Tensor,
+        pending: PendingReduction,
+        name: str,
+        *,
+        op_name: str,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: Any,
+    ) -> Optional[tf.Tensor]:
+        """The dense reduced gradient, computed from one allgather of Top-K payloads; None to go dense."""
+        from horovod.tensorflow.mpi_ops import allgather
+
+        world_size = process_set.size()
+        scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
+        if any(d is None for d in pending.shape):
+            pending.route = "dense"  # a shape known only at run time cannot have a fixed k
+            return None
+        numel = int(np.prod(pending.shape, dtype=np.int64))
+        plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config)
+        record = self.registry.record(name, pending.shape)
+        counters = self._counters(name, record)
+        dense_nbytes = numel * tensor.dtype.size
+        if not plan.compressed:
+            pending.route = "dense"
+            counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes], tf.int64))
+            return None
+
+        pending.route = "topk"
+        assert plan.k is not None
+        residual = self._residual(name, record, numel, ops.residual_dtype(tensor.dtype))
+        indices, values, new_residual = ops.compensate_and_select(tensor, residual, plan.k, tensor.dtype)
+        layout = PayloadLayout(plan.k, tensor.dtype.size)
+        with tf.control_dependencies([residual.assign(new_residual)]):
+            payload = ops.pack(indices, values, layout)
+        gathered = allgather(payload, name=allgather_name(name), ignore_name_scope=True, process_set=process_set)
+        checks = [
+            tf.debugging.assert_equal(
+                tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(name, world_size)
+            ),
+            counters.assign_add(tf.constant([1, layout.nbytes, dense_nbytes], tf.int64)),
+        ]
+        with tf.control_dependencies(checks):
+            all_indices, all_values = ops.unpack(gathered, world_size, layout, tensor.dtype)
+        dense = ops.scatter_sum(all_indices, all_values, numel, ops.residual_dtype(tensor.dtype))
+        if scale != 1.0:
+            dense = dense * tf.cast(scale, dense.dtype)
+        return tf.reshape(tf.cast(dense, tensor.dtype), pending.shape)
+
+    # ---- variables -----------------------------------------------------------------------------------------
+    def _residual(self, name: str, record: TensorRecord[Any], numel: int, dtype: tf.DType) -> tf.Variable:
+        var = self._residual_vars.get(name)
+        if var is None:
+            initial = np.zeros(numel, dtype.as_numpy_dtype) if record.residual is None else record.residual
+            if np.shape(initial) != (numel,):
+                raise ValueError(f"horovod-topk: the residual of {name!r} has {np.size(initial)} elements, the "
+                                 f"gradient {numel} (a state_dict of another model?)")
+            with tf.init_scope():  # created once, outside any traced function
+                var = tf.Variable(initial.astype(dtype.as_numpy_dtype), trainable=False, name="topk_residual")
+            self._residual_vars[name] = var
+        record.residual = var
+        return var
+
+    def _counters(self, name: str, record: TensorRecord[Any]) -> tf.Variable:
+        var = self._counter_vars.get(name)
+        if var is None:
+            with tf.init_scope():
+                var = tf.Variable([record.steps, record.bytes_sent, record.bytes_dense], dtype=tf.int64,
+                                  trainable=False, name="topk_counters")
+            self._counter_vars[name] = var
+        return var
+
+    def _refresh_counters(self) -> None:
+        for name, var in self._counter_vars.items():
+            record = self.registry.records.get(name)
+            if record is not None:
+                record.steps, record.bytes_sent, record.bytes_dense = (int(v) for v in var.numpy())
+
+    def _after_load(self) -> None:
+        for name in set(self._counter_vars) - set(self.registry.records):  # not in the loaded state: start over
+            self._counter_vars[name].assign(tf.zeros_like(self._counter_vars[name]))
+            if name in self._residual_vars:
+                self._residual_vars[name].assign(tf.zeros_like(self._residual_vars[name]))
+        for name, record in self.registry.records.items():
+            if name in self._counter_vars:
+                self._counter_vars[name].assign([record.steps, record.bytes_sent, record.bytes_dense])
+            if name in self._residual_vars and record.residual is not None:
+                self._residual_vars[name].assign(record.residual)
+                record.residual = self._residual_vars[name]
+
+    def reset(self) -> None:
+        super().reset()
+        for var in self._counter_vars.values():
+            var.assign(tf.zeros_like(var))
+        for var in self._residual_vars.values():
+            var.assign(tf.zeros_like(var))
+
+    # ---- state hooks ---------------------------------------------------------------------------------------
+    def _export_residual(self, residual: Any) -> np.ndarray:
+        return np.array(residual.numpy() if isinstance(residual, tf.Variable) else residual, copy=True)
+
+    def _import_residual(self, name: str, value: Any) -> np.ndarray:
+        return np.asarray(value).reshape(-1).copy()
+
+    def _residual_squared_norm(self, residual: Any) -> float:
+        values = residual.numpy() if isinstance(residual, tf.Variable) else np.asarray(residual)
+        return float(np.square(values.astype(np.float64)).sum())

@@ -1,0 +1,108 @@
+"""Routes tensors marked by ``TopKEF.compress`` to Top-K allgathers inside ``horovod.tensorflow``.
+
+``hvd.allreduce`` / ``hvd.grouped_allreduce`` (which DistributedGradientTape, DistributedOptimizer and the Keras
+wrapper all go through) call ``_allreduce`` and ``_grouped_allreduce`` from the ``horovod.tensorflow`` module
+namespace. We replace those two names there, in memory (no file changes), with functions that pass unmarked tensors
+to Horovod's originals unchanged; marked ones start the compressed reduction, and what must go dense goes back to
+Horovod's originals (grouped ones stay grouped). The user-facing constructors are wrapped only to refuse, at
+construction, an op TopKEF cannot do.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Optional, Sequence
+
+from ..core import PendingReduction, group_member_name, pending_of, refuse_unsupported_op
+from .compressor import TopKEF
+
+__all__ = ["install"]
+
+_INSTALLED_FLAG = "_horovod_topk_routing"
+
+
+def _uses_topk(compression: Any) -> bool:
+    return isinstance(compression, TopKEF) or (isinstance(compression, type) and issubclass(compression, TopKEF))
+
+
+def install() -> None:
+    """Install the routing once per process (idempotent). Raises ImportError on an unknown Horovod layout."""
+    import horovod.tensorflow as hvd
+    from horovod.tensorflow.mpi_ops import Adasum, Average, Sum, _normalize_name, global_process_set
+
+    if getattr(hvd, _INSTALLED_FLAG, False):
+        return
+    missing = [n for n in ("_allreduce", "_grouped_allreduce", "DistributedOptimizer") if not hasattr(hvd, n)]
+    if missing:
+        raise ImportError(f"horovod-topk: horovod.tensorflow has no {', '.join(missing)}; horovod-topk supports 0.28.")
+    dense_allreduce = hvd._allreduce
+    dense_grouped_allreduce = hvd._grouped_allreduce
+
+    def reduction_name(name: Optional[str], pending: PendingReduction) -> Optional[str]:
+        """The name Horovod would give this reduction: the given one, else the gradient's graph name."""
+        if name is not None:
+            return name
+        if pending.source_name is not None:
+            return _normalize_name(pending.source_name)
+        return None  # eager, unnamed: nothing stable to key a residual on, so it stays dense
+
+    def start(tensor: Any, pending: PendingReduction, name: str, op: Any, pre: float, post: float, ps: Any) -> Any:
+        op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
+        return pending.compressor.start_reduction(
+            tensor, pending, name, op_name=op_name, prescale_factor=pre, postscale_factor=post, process_set=ps
+        )
+
+    def _allreduce(tensor: Any, name: Optional[str] = None, op: Any = Sum, prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0, ignore_name_scope: bool = False,
+                   process_set: Any = global_process_set) -> Any:
+        pending = pending_of(tensor)
+        key = reduction_name(name, pending) if pending is not None else None
+        if pending is not None and key is not None:
+            out = start(tensor, pending, key, op, prescale_factor, postscale_factor, process_set)
+            if out is not None:
+                return out
+        return dense_allreduce(tensor, name=name, op=op, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+                               process_set=process_set)
+
+    def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Sum,
+                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                           ignore_name_scope: bool = False, process_set: Any = global_process_set) -> List[Any]:
+        outputs: List[Any] = [None] * len(tensors)
+        dense_positions: List[int] = []
+        for position, tensor in enumerate(tensors):
+            pending = pending_of(tensor)
+            key = None
+            if pending is not None:
+                key = reduction_name(None, pending) or (
+                    group_member_name(name, position) if name is not None else None)
+            if pending is not None and key is not None:
+                outputs[position] = start(tensor, pending, key, op, prescale_factor, postscale_factor, process_set)
+            if outputs[position] is None:
+                dense_positions.append(position)
+        if dense_positions:
+            reduced = dense_grouped_allreduce(
+                [tensors[i] for i in dense_positions], name=name, op=op, prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope, process_set=process_set)
+            for position, out in zip(dense_positions, reduced):
+                outputs[position] = out
+        return outputs
+
+    def refusing(constructor: Callable[..., Any], compression_index: int, op_index: int) -> Callable[..., Any]:
+        def argument(args: Sequence[Any], kwargs: Any, key: str, index: int) -> Any:
+            return kwargs.get(key, args[index] if len(args) > index else None)
+
+        @functools.wraps(constructor)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            refuse_unsupported_op(_uses_topk(argument(args, kwargs, "compression", compression_index)),
+                                  argument(args, kwargs, "op", op_index), Average, Sum, Adasum)
+            return constructor(*args, **kwargs)
+        return wrapper
+
+    hvd._allreduce = _allreduce
+    hvd._grouped_allreduce = _grouped_allreduce
+    # positional indices of `compression` and `op` in each constructor's signature (Horovod 0.28.1). The Keras
+    # wrapper is not wrapped (importing it drags Keras in): there an unsupported op fails at the first step.
+    hvd.DistributedOptimizer = refusing(hvd.DistributedOptimizer, 5, 8)
+    if hasattr(hvd, "DistributedGradientTape"):
+        hvd.DistributedGradientTape = refusing(hvd.DistributedGradientTape, 3, 5)
+    setattr(hvd, _INSTALLED_FLAG, True)
