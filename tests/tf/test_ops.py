@@ -1,0 +1,71 @@
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from horovod_topk.core import PayloadLayout
+from horovod_topk.tensorflow import ops
+
+
+def _sent_dense(indices, values, numel):
+    return tf.scatter_nd(indices[:, None], tf.cast(values, tf.float32), [numel]).numpy()
+
+
+@pytest.mark.parametrize("k", [1, 10, 1000])
+def test_selection_keeps_the_k_largest_and_loses_no_mass(k):
+    rng = np.random.RandomState(0)
+    grad = rng.randn(1000).astype(np.float32)
+    residual = (rng.randn(1000) * 0.1).astype(np.float32)
+    indices, values, new_residual = ops.compensate_and_select(tf.constant(grad), tf.constant(residual), k, tf.float32)
+    compensated = residual + grad
+    assert indices.dtype == tf.int32 and indices.shape == (k,)
+    assert set(indices.numpy().tolist()) == set(np.argsort(-np.abs(compensated))[:k].tolist())
+    np.testing.assert_allclose(_sent_dense(indices, values, 1000) + new_residual.numpy(), compensated, rtol=1e-6)
+    assert np.all(new_residual.numpy()[indices.numpy()] == 0)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_half_precision_rounding_stays_in_the_residual(dtype):
+    rng = np.random.RandomState(1)
+    grad = tf.cast(rng.randn(4096) * 3, dtype)
+    residual = tf.constant(rng.randn(4096).astype(np.float32) * 1e-3)
+    indices, values, new_residual = ops.compensate_and_select(grad, residual, 64, dtype)
+    compensated = residual.numpy() + tf.cast(grad, tf.float32).numpy()
+    assert values.dtype == dtype and new_residual.dtype == tf.float32
+    assert np.abs(new_residual.numpy()[indices.numpy()]).max() > 0
+    np.testing.assert_allclose(_sent_dense(indices, values, 4096) + new_residual.numpy(), compensated, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.bfloat16, tf.float64])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_pack_unpack_round_trip(dtype, k):
+    layout = PayloadLayout(k, dtype.size)
+    rows = []
+    for rank in range(3):
+        idx = tf.range(k, dtype=tf.int32) * 7 + rank
+        val = tf.cast(tf.range(k) + 100 * rank, dtype)
+        buf = ops.pack(idx, val, layout)
+        assert buf.dtype == tf.uint8 and buf.shape == (layout.nbytes,)
+        rows.append((idx, val, buf))
+    indices, values = ops.unpack(tf.concat([b for _, _, b in rows], 0), 3, layout, dtype)
+    for rank, (idx, val, _) in enumerate(rows):
+        assert np.array_equal(indices[rank].numpy(), idx.numpy())
+        assert np.array_equal(tf.cast(values[rank], tf.float64).numpy(), tf.cast(val, tf.float64).numpy())
+
+
+def test_payload_bytes_are_identical_to_the_pytorch_ones():
+    """One layout, two frameworks: the same (indices, values) make the same bytes."""
+    torch = pytest.importorskip("torch")
+    from horovod_topk.torch import ops as torch_ops
+
+    layout = PayloadLayout(5, 2)
+    idx, val = [3, 1, 4, 1000, 59], [0.5, -2.0, 3.25, 1e-3, 7.0]
+    tf_bytes = ops.pack(tf.constant(idx, tf.int32), tf.constant(val, tf.float16), layout).numpy()
+    torch_bytes = torch_ops.pack(torch.tensor(idx, dtype=torch.int32), torch.tensor(val, dtype=torch.float16), layout)
+    assert tf_bytes.tobytes() == torch_bytes.numpy().tobytes()
+
+
+def test_scatter_sum_adds_collisions():
+    dense = ops.scatter_sum(tf.constant([[0, 5], [5, 9]]), tf.constant([[1.0, 2.0], [3.0, 4.0]]), 10, tf.float32)
+    expected = np.zeros(10, np.float32)
+    expected[[0, 5, 9]] = [1.0, 5.0, 4.0]
+    assert np.array_equal(dense.numpy(), expected)
