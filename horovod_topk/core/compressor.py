@@ -98,8 +98,9 @@ class TopKEFBase(abc.ABC, Generic[R]):
         if ctx is not None and ctx.route == "unrouted" and not self._warned_unrouted:
             self._warned_unrouted = True
             warnings.warn(
-                "horovod-topk: TopKEF reduced a tensor that has no name (used outside hvd.DistributedOptimizer / "
-                "DistributedGradientTape, or eagerly without name=): it was reduced dense, without Top-K.",
+                "horovod-topk: TopKEF was handed a tensor on a path it does not route (it routes the gradients of "
+                "hvd.DistributedOptimizer / DistributedGradientTape and named or traced TensorFlow allreduces): "
+                "the tensor was reduced dense, without Top-K.",
                 stacklevel=2,
             )
         return tensor

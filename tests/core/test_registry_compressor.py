@@ -78,7 +78,7 @@ def test_compress_marks_an_alias_and_decompress_warns_when_nothing_routed_it():
     alias, ctx = comp.compress(tensor)
     assert pending_of(alias) is ctx and pending_of(tensor) is None
     assert ctx.compressor is comp and ctx.shape == (3,) and ctx.route == "unrouted"
-    with pytest.warns(UserWarning, match="has no name"):
+    with pytest.warns(UserWarning, match="reduced dense"):
         assert comp.decompress(alias, ctx) is alias
 
 

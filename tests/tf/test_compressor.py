@@ -29,7 +29,7 @@ def test_compress_marks_an_alias_eagerly_and_in_a_function():
 def test_class_is_a_compressor_too():
     alias, ctx = TopKEF.compress(tf.ones([3]))
     assert ctx.compressor is TopKEF.default()
-    with pytest.warns(UserWarning, match="has no name"):
+    with pytest.warns(UserWarning, match="reduced dense"):
         TopKEF.decompress(alias, ctx)
 
 
