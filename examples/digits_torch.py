@@ -13,10 +13,8 @@ import argparse
 import time
 
 import horovod.torch as hvd
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits_data import load_split
 from torch import nn
 
 from horovod_topk.torch import TopKEF
@@ -36,16 +34,6 @@ class DigitsCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def load_split(seed: int):
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8) in [0, 1]
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
-    )
-    return (torch.from_numpy(x_train), torch.from_numpy(y_train).long(),
-            torch.from_numpy(x_test), torch.from_numpy(y_test).long())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=30)
@@ -58,9 +46,9 @@ def main() -> None:
 
     hvd.init()
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_split(args.seed)
-    shard = slice(hvd.rank(), None, hvd.size())  # each worker its own part of the training set
-    x_train, y_train = x_train[shard], y_train[shard]
+    # each worker its own shard of the training set; images get a channel axis: (N, 1, 8, 8)
+    x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_split(args.seed, hvd.rank(), hvd.size()))
+    x_train, x_test = x_train[:, None], x_test[:, None]
 
     model = DigitsCNN()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

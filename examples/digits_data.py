@@ -1,0 +1,19 @@
+"""The digits data set shared by the PyTorch and Keras examples: scikit-learn's 1,797 8x8 handwritten digits
+(shipped with scikit-learn, no download), a fixed stratified 80/20 split, and each worker's shard."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+
+def load_split(seed: int, rank: int, size: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x_train shard of this worker, y_train shard, x_test, y_test); images as float32 (N, 8, 8) in [0, 1]."""
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
+    )
+    return x_train[rank::size], y_train[rank::size].astype(np.int64), x_test, y_test.astype(np.int64)
