@@ -124,26 +124,32 @@ def test_adasum_is_refused_at_construction():
         hvd.DistributedGradientTape(tape, compression=TopKEF, op=hvd.Adasum)
 
 
-def _keras_fit(compression, epochs=2):
+def _keras_fit(compression, epochs=2, wrapper=None):
     import horovod.tensorflow.keras as hvd_keras
 
+    wrapper = wrapper or hvd_keras.DistributedOptimizer
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([
         tf.keras.layers.Dense(64, activation="relu", input_shape=(32,)),
         tf.keras.layers.Dense(32, activation="relu"),
         tf.keras.layers.Dense(4),
     ])
-    opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=compression)
+    opt = wrapper(tf.keras.optimizers.SGD(0.1, momentum=0.9), compression=compression)
     model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, _, y = batch(0)
     model.fit(x.numpy().repeat(4, 0), y.numpy().repeat(4, 0), batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     return {str(i): w for i, w in enumerate(model.get_weights())}
 
 
-def test_keras_optimizer_ratio_one_matches_plain_horovod():
-    plain = _keras_fit(hvd.Compression.none)
+@pytest.mark.parametrize("wrapper", ["horovod.tensorflow.keras", "horovod.tensorflow"])
+def test_keras_optimizer_ratio_one_matches_plain_horovod(wrapper):
+    """Horovod's Keras wrapper, and hvd.DistributedOptimizer given a Keras optimizer (which delegates to it)."""
+    import importlib
+
+    distributed_optimizer = importlib.import_module(wrapper).DistributedOptimizer
+    plain = _keras_fit(hvd.Compression.none, wrapper=distributed_optimizer)
     compressor = TopKEF(**EVERYTHING)
-    ours = _keras_fit(compressor)
+    ours = _keras_fit(compressor, wrapper=distributed_optimizer)
     stats = compressor.stats()
     assert_same(ours, plain)
     assert stats["steps"] == 8 and stats["tensors_compressed"] == 6
