@@ -1,0 +1,35 @@
+"""Loads the fused CPU kernels (csrc/topk_kernels.cpp), compiling them once per machine.
+
+Compiled with torch's own C++ extension builder into its cache (~/.cache/torch_extensions), so the kernel always
+matches the installed torch; scripts/setup.sh builds it at install time so that training never waits for the
+compiler. When no compiler is available the pure-torch selector is used instead, with a warning: slower, same
+results up to ties.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+from typing import Optional
+
+__all__ = ["load"]
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "topk_kernels.cpp")
+_module: Optional[ModuleType] = None
+_failed = False
+
+
+def load(verbose: bool = False) -> Optional[ModuleType]:
+    """The compiled kernel module, or None (after one warning) when it cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        _module = build(name="horovod_topk_kernels", sources=[_SOURCE], extra_cflags=["-O3"], verbose=verbose)
+    except Exception as exc:  # no compiler, no ninja, read-only cache...: fall back, loudly
+        _failed = True
+        warnings.warn(f"horovod-topk: could not build the fused kernels ({exc}); using the slower pure-torch "
+                      f"sampled selector", stacklevel=2)
+    return _module
