@@ -41,9 +41,9 @@ class TopKEFBase(abc.ABC, Generic[R]):
 
     Args:
         ratio (float, optional): fraction of entries sent per step, in (0, 1]. Default 0.01.
-        k (int, optional): fixed entries per tensor instead of ``ratio``.
-        min_numel (int, optional): tensors smaller than this go dense. Default 1024.
         config (TopKConfig, optional): a ready configuration; exclusive with the keyword options.
+        **options: any other field of :class:`TopKConfig` (k, min_numel, selector, value_dtype, dense_fallback,
+            warmup_steps, momentum); an unknown name is a ValueError.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -52,22 +52,16 @@ class TopKEFBase(abc.ABC, Generic[R]):
             if method in cls.__dict__ and not isinstance(cls.__dict__[method], default_instance_method):
                 setattr(cls, method, default_instance_method(cls.__dict__[method]))
 
-    def __init__(
-        self,
-        ratio: Optional[float] = None,
-        *,
-        k: Optional[int] = None,
-        min_numel: Optional[int] = None,
-        config: Optional[TopKConfig] = None,
-    ) -> None:
-        options = {n: v for n, v in (("ratio", ratio), ("k", k), ("min_numel", min_numel)) if v is not None}
+    def __init__(self, ratio: Optional[float] = None, *, config: Optional[TopKConfig] = None, **options: Any) -> None:
+        if ratio is not None:
+            options["ratio"] = ratio
         if config is not None:
             if options:
                 raise ValueError(f"pass either config= or the options {sorted(options)}, not both")
             if not isinstance(config, TopKConfig):
                 raise ValueError(f"config must be a TopKConfig, got {type(config).__name__}")
         #: The validated configuration; defaults live in TopKConfig only.
-        self.config = config if config is not None else TopKConfig(**options)
+        self.config = config if config is not None else TopKConfig.from_dict(options)
         #: Residuals and counters by tensor name; what a checkpoint must keep (see state_dict).
         self.registry: ErrorFeedbackRegistry[R] = ErrorFeedbackRegistry()
         #: Warn once per compressor, not per step, when a tensor reached us with nothing to route it.

@@ -10,7 +10,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL"]
+__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES"]
+
+#: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
+#: "exact": the framework's top-k over all entries (the reference).
+SELECTORS = ("sampled", "exact")
+#: What the values of a payload travel as; None keeps the gradient's own dtype.
+VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
 
 #: Indices travel as int32 (4 bytes instead of 8 per selected entry), so a tensor compressed as one payload must
 #: have fewer than 2**31 elements. Larger tensors are refused by name rather than silently wrapped.
@@ -29,11 +35,27 @@ class TopKConfig:
         min_numel (int): tensors with fewer elements go through Horovod's ordinary dense allreduce. Biases and
             norm scales are tiny; for them the latency of an extra collective costs more than the bytes saved,
             and dense tensors stay eligible for Horovod's tensor fusion.
+        selector (str): "sampled" (default) or "exact"; see SELECTORS.
+        value_dtype (str, optional): send values as "float16"/"bfloat16" (6 bytes per entry instead of 8); the
+            rounding error stays in the residual, so nothing is lost. None sends the gradient's dtype.
+        dense_fallback (bool): send a tensor dense when the allgather would hand over more bytes than a ring
+            allreduce: P * k * (4 + value bytes) > 2 * (P - 1) / P * N * (gradient bytes). Default True.
+        warmup_steps (int): sparsity warm-up (DGC): over the first W steps of each tensor the ratio decays
+            exponentially from 1 to ``ratio`` (ratio_t = ratio ** (t / W)); with dense_fallback the first steps
+            are therefore dense. 0 (default) disables it.
+        momentum (float): DGC momentum correction for SGD with momentum m: the compressor accumulates
+            u = m u + g and the residual v += u, sends the top-k of v and zeroes u and v there (momentum-factor
+            masking). Use it with the optimizer's own momentum set to 0. Default 0 (off).
     """
 
     ratio: float = 0.01
     k: Optional[int] = None
     min_numel: int = 1024
+    selector: str = "sampled"
+    value_dtype: Optional[str] = None
+    dense_fallback: bool = True
+    warmup_steps: int = 0
+    momentum: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
@@ -44,6 +66,18 @@ class TopKConfig:
             raise ValueError(f"k must be a positive integer (or None to use ratio), got {self.k!r}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype!r}")
+        if not isinstance(self.dense_fallback, bool):
+            raise ValueError(f"dense_fallback must be True or False, got {self.dense_fallback!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) or not (
+            0.0 <= self.momentum < 1.0
+        ):
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -58,4 +92,10 @@ class TopKConfig:
     def describe(self) -> str:
         """A short human-readable summary, used in error messages and logs."""
         amount = f"k={self.k}" if self.k is not None else f"ratio={self.ratio:g}"
-        return f"TopKConfig({amount}, min_numel={self.min_numel})"
+        defaults = TopKConfig()
+        extras = "".join(
+            f", {name}={getattr(self, name)!r}"
+            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum")
+            if getattr(self, name) != getattr(defaults, name)
+        )
+        return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

@@ -11,7 +11,14 @@ from typing import Optional
 
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
 
-__all__ = ["TensorPlan", "selected_count", "plan_tensor"]
+__all__ = [
+    "TensorPlan",
+    "selected_count",
+    "plan_tensor",
+    "warmup_ratio",
+    "allgather_nbytes",
+    "ring_allreduce_nbytes",
+]
 
 
 @dataclass(frozen=True)
@@ -41,11 +48,42 @@ def selected_count(numel: int, config: TopKConfig) -> int:
     return max(1, min(numel, math.ceil(config.ratio * numel - 1e-9)))
 
 
-def plan_tensor(name: str, numel: int, is_floating: bool, config: TopKConfig) -> TensorPlan:
-    """Decide how the tensor called ``name`` travels.
+def warmup_ratio(config: TopKConfig, numel: int, step: int) -> float:
+    """The ratio in force at ``step`` (0-based) of a tensor: exponential decay from 1 to the target over
+    ``config.warmup_steps`` steps (DGC's sparsity warm-up), then the target. Monotone non-increasing."""
+    target = min(1.0, config.k / numel) if config.k is not None else config.ratio
+    if config.warmup_steps <= 0 or step >= config.warmup_steps:
+        return target
+    return float(target ** (step / config.warmup_steps))
 
-    Non-floating tensors (integer counters, masks) and tensors under ``config.min_numel`` go dense. A tensor too
-    large for int32 indices is refused with an error that names it.
+
+def allgather_nbytes(world_size: int, k: int, entry_nbytes: int) -> int:
+    """Bytes each rank receives in an allgather of P payloads of k entries (its own included, as Horovod does)."""
+    return world_size * k * entry_nbytes
+
+
+def ring_allreduce_nbytes(world_size: int, numel: int, itemsize: int) -> float:
+    """Bytes each rank sends (and receives) in a ring allreduce of N elements: 2 (P - 1) / P * N * itemsize."""
+    return 2.0 * (world_size - 1) / world_size * numel * itemsize
+
+
+def plan_tensor(
+    name: str,
+    numel: int,
+    is_floating: bool,
+    config: TopKConfig,
+    *,
+    world_size: int = 2,
+    step: int = 0,
+    value_itemsize: int = 4,
+    grad_itemsize: int = 4,
+) -> TensorPlan:
+    """Decide how the tensor called ``name`` travels at its ``step``.
+
+    Non-floating tensors (integer counters, masks), tensors under ``config.min_numel``, and — with
+    ``config.dense_fallback`` — tensors whose allgather would move more bytes than a ring allreduce go dense.
+    Every input is the same on every rank, so every rank decides alike. A tensor too large for int32 indices is
+    refused with an error that names it.
     """
     if not is_floating:
         return TensorPlan(numel, None, "not floating point")
@@ -58,4 +96,10 @@ def plan_tensor(name: str, numel: int, is_floating: bool, config: TopKConfig) ->
             f"tensor {name!r} has {numel} elements; Top-K payloads index with int32, so a compressed tensor must "
             f"have at most {MAX_COMPRESSED_NUMEL}: split it into several smaller parameters."
         )
-    return TensorPlan(numel, selected_count(numel, config), "top-k")
+    ratio = warmup_ratio(config, numel, step)
+    k = max(1, min(numel, math.ceil(ratio * numel - 1e-9))) if config.warmup_steps else selected_count(numel, config)
+    if config.dense_fallback and world_size > 1:
+        sparse = allgather_nbytes(world_size, k, 4 + value_itemsize)
+        if sparse > ring_allreduce_nbytes(world_size, numel, grad_itemsize):
+            return TensorPlan(numel, None, f"dense is cheaper at k={k} ({sparse} allgather bytes)")
+    return TensorPlan(numel, k, "top-k")

@@ -25,6 +25,8 @@ class TensorRecord(Generic[R]):
     #: What this rank selected but did not send yet (compensated gradient minus what went on the wire). None for
     #: tensors that travel dense: they have nothing left over.
     residual: Optional[R] = None
+    #: DGC momentum-correction buffer u (only with TopKConfig.momentum > 0); masked where entries are sent.
+    momentum: Optional[R] = None
     #: How many times the tensor went through a reduction of ours (its step counter).
     steps: int = 0
     #: Bytes this rank handed to collectives for this tensor, in total.
@@ -84,6 +86,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                 name: {
                     "shape": list(rec.shape),
                     "residual": None if rec.residual is None else export_residual(rec.residual),
+                    "momentum": None if rec.momentum is None else export_residual(rec.momentum),
                     "steps": rec.steps,
                     "bytes_sent": rec.bytes_sent,
                     "bytes_dense": rec.bytes_dense,
@@ -99,10 +102,11 @@ class ErrorFeedbackRegistry(Generic[R]):
             raise ValueError(f"horovod-topk: not a TopKEF state_dict (expected format {STATE_FORMAT!r}, got {found!r})")
         records: Dict[str, TensorRecord[R]] = {}
         for name, entry in state["tensors"].items():
-            residual = entry.get("residual")
+            residual, momentum = entry.get("residual"), entry.get("momentum")
             records[name] = TensorRecord(
                 shape=tuple(int(d) for d in entry["shape"]),
                 residual=None if residual is None else import_residual(name, residual),
+                momentum=None if momentum is None else import_residual(name, momentum),
                 steps=int(entry.get("steps", 0)),
                 bytes_sent=int(entry.get("bytes_sent", 0)),
                 bytes_dense=int(entry.get("bytes_dense", 0)),

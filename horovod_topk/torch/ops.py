@@ -6,7 +6,7 @@ scatter_sum            the dense sum of all ranks' payloads: one index_add_ over
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -22,9 +22,18 @@ def residual_dtype(grad_dtype: torch.dtype) -> torch.dtype:
 
 
 def compensate_and_select(
-    grad: torch.Tensor, residual: torch.Tensor, k: int, wire_dtype: torch.dtype
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    k: int,
+    wire_dtype: torch.dtype,
+    momentum_buffer: Optional[torch.Tensor] = None,
+    momentum: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Error-feedback Top-K on one tensor. Updates ``residual`` (flat, residual_dtype) in place.
+    """Error-feedback Top-K on one tensor with exact ``torch.topk``. Updates ``residual`` (flat, residual_dtype)
+    in place. The reference implementation; the fused kernel (kernels.py) does the same in one pass.
+
+    With a ``momentum_buffer`` u (DGC momentum correction): u = m u + g, residual += u, and u is zeroed where
+    entries are sent (momentum-factor masking).
 
     After the call, for every element: ``new residual + sent == old residual + grad`` where ``sent`` is the
     returned values scattered at the returned indices, converted back to the residual's dtype. Rounding of the
@@ -33,11 +42,17 @@ def compensate_and_select(
     Returns:
         (indices int32 of shape (k,), values of ``wire_dtype`` of shape (k,)).
     """
-    residual.add_(grad.reshape(-1))
-    indices = torch.topk(residual.abs(), k, sorted=False).indices
+    if momentum_buffer is not None:
+        momentum_buffer.mul_(momentum).add_(grad.reshape(-1))
+        residual.add_(momentum_buffer)
+    else:
+        residual.add_(grad.reshape(-1))
+    indices = torch.topk(residual.abs(), k, sorted=False).indices.sort().values
     picked = residual[indices]
     values = picked.to(wire_dtype)
     residual[indices] = picked - values.to(residual.dtype)
+    if momentum_buffer is not None:
+        momentum_buffer[indices] = 0
     return indices.to(torch.int32), values
 
 

@@ -12,7 +12,7 @@ from horovod_topk.tensorflow import TopKEF
 
 from .tf_harness import assert_same, batch, make_variables, train_tape
 
-EVERYTHING = dict(ratio=1.0, min_numel=0)
+EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False)
 
 OPTIONS = {
     "function": {},

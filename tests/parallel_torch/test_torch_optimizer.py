@@ -16,7 +16,7 @@ from horovod_topk.torch import TopKEF
 from .conftest import SINGLE_RANK_SETS
 from .torch_harness import assert_same_params, batch, differs, train
 
-EVERYTHING = dict(ratio=1.0, min_numel=0)
+EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False)
 
 OPTIONS = {
     "named": {},
@@ -32,11 +32,12 @@ OPTIONS = {
 }
 
 
+@pytest.mark.parametrize("selector", ["sampled", "exact"])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_ratio_one_matches_plain_horovod(option):
+def test_ratio_one_matches_plain_horovod(option, selector):
     kwargs = OPTIONS[option]
     plain = train(hvd.Compression.none, **kwargs)
-    compressor = TopKEF(**EVERYTHING)
+    compressor = TopKEF(**EVERYTHING, selector=selector)
     ours = train(compressor, **kwargs)
     initial = train(hvd.Compression.none, steps=0, **kwargs)
     moved = differs(plain, initial)
@@ -100,9 +101,10 @@ def test_process_set():
     assert differs(ours, global_run), "a one-rank process set must not average with the other rank"
 
 
-def test_error_feedback_invariant_at_one_percent():
+@pytest.mark.parametrize("options", [{}, {"selector": "exact"}, {"value_dtype": "float16"}])
+def test_error_feedback_invariant_at_one_percent(options):
     """Per tensor: sum of all ranks' gradients == P * sum of averaged (sent) gradients + sum of residuals."""
-    compressor = TopKEF(ratio=0.01)
+    compressor = TopKEF(ratio=0.01, **options)
     raw_sum, sent_sum = {}, {}
     averaged_nonzeros = {}
 

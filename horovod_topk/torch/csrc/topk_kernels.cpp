@@ -194,7 +194,7 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
       sample.push_back(std::fabs(r[i] + add));
     }
   }
-  R thr = quantile_threshold<R>(sample, n, k);
+  R thr = (k >= n) ? R(0) : quantile_threshold<R>(sample, n, k);  // every entry goes when k == n
 
   // 2. one fused pass; 3. if too few candidates, lower the threshold and rescan (no second compensation)
   Candidates<R> cand;
