@@ -65,7 +65,7 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 # torch is pinned to the CPU release on disk: an unpinned `torch` pulls a multi-GB CUDA build.
 log "installing frameworks and tools (torch $TORCH_VERSION, tensorflow-cpu $TF_VERSION)"
 "${PIP[@]}" install "torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" \
-  mpi4py numpy scikit-learn pytest cloudpickle psutil pyyaml packaging cffi
+  mpi4py numpy scikit-learn pytest cloudpickle psutil pyyaml packaging cffi ninja matplotlib
 
 # ---- Horovod ----------------------------------------------------------------------------------------------
 installed_horovod="$("$PY" -c 'import horovod; print(horovod.__version__)' 2>/dev/null || true)"
@@ -90,6 +90,12 @@ fi
 
 # ---- horovod_topk -----------------------------------------------------------------------------------------
 "${PIP[@]}" install --no-deps --no-build-isolation -e "$ROOT"
+
+# The fused CPU kernels (horovod_topk/torch/csrc) are compiled once per machine into torch's extension cache,
+# here rather than in the first training step.
+log "building the fused kernels"
+"$PY" -c 'from horovod_topk.torch import kernels; import sys; sys.exit(kernels.load() is None)' \
+  || { log "the fused kernels did not build"; exit 1; }
 
 log "checking the Horovod build"
 check="$("$VENV/bin/horovodrun" --check-build)"

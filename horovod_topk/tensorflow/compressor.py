@@ -18,6 +18,8 @@ from . import ops
 
 __all__ = ["TopKEF"]
 
+_WIRE_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
+
 
 class TopKEF(TopKEFBase[Any]):
     """Top-K with error feedback for ``hvd.DistributedGradientTape(tape, compression=TopKEF)`` and
@@ -29,6 +31,13 @@ class TopKEF(TopKEFBase[Any]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # k is part of the traced graph here (static shapes), so a k that changes with the step (warm-up) and the
+        # extra momentum state are PyTorch-only for now: refuse them rather than ignore them.
+        if self.config.warmup_steps:
+            raise ValueError("horovod-topk: warmup_steps is not supported by the TensorFlow TopKEF yet (PyTorch only)")
+        if self.config.momentum:
+            raise ValueError("horovod-topk: momentum correction is not supported by the TensorFlow TopKEF yet "
+                             "(PyTorch only)")
         #: Per tensor name: the residual variable and the (steps, bytes_sent, bytes_dense) counter variable.
         self._residual_vars: Dict[str, tf.Variable] = {}
         self._counter_vars: Dict[str, tf.Variable] = {}
@@ -64,7 +73,9 @@ class TopKEF(TopKEFBase[Any]):
             pending.route = "dense"  # a shape known only at run time cannot have a fixed k
             return None
         numel = int(np.prod(pending.shape, dtype=np.int64))
-        plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config)
+        wire_dtype = _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype) if tensor.dtype.is_floating else tensor.dtype
+        plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
+                           value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size)
         record = self.registry.record(name, pending.shape)
         counters = self._counters(name, record)
         dense_nbytes = numel * tensor.dtype.size
@@ -76,8 +87,9 @@ class TopKEF(TopKEFBase[Any]):
         pending.route = "topk"
         assert plan.k is not None
         residual = self._residual(name, record, numel, ops.residual_dtype(tensor.dtype))
-        indices, values, new_residual = ops.compensate_and_select(tensor, residual, plan.k, tensor.dtype)
-        layout = PayloadLayout(plan.k, tensor.dtype.size)
+        sample_size = max(2048, 100 * numel // plan.k) if self.config.selector == "sampled" else 0
+        indices, values, new_residual = ops.compensate_and_select(tensor, residual, plan.k, wire_dtype, sample_size)
+        layout = PayloadLayout(plan.k, wire_dtype.size)
         with tf.control_dependencies([residual.assign(new_residual)]):
             payload = ops.pack(indices, values, layout)
         gathered = allgather(payload, name=allgather_name(name), ignore_name_scope=True, process_set=process_set)
@@ -88,7 +100,7 @@ class TopKEF(TopKEFBase[Any]):
             counters.assign_add(tf.constant([1, layout.nbytes, dense_nbytes], tf.int64)),
         ]
         with tf.control_dependencies(checks):
-            all_indices, all_values = ops.unpack(gathered, world_size, layout, tensor.dtype)
+            all_indices, all_values = ops.unpack(gathered, world_size, layout, wire_dtype)
         dense = ops.scatter_sum(all_indices, all_values, numel, ops.residual_dtype(tensor.dtype))
         if scale != 1.0:
             dense = dense * tf.cast(scale, dense.dtype)

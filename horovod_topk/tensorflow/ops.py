@@ -5,13 +5,14 @@ both frameworks.
 """
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import tensorflow as tf
 
 from ..core.payload import PayloadLayout
 
-__all__ = ["residual_dtype", "compensate_and_select", "pack", "unpack", "scatter_sum"]
+__all__ = ["residual_dtype", "sampled_top_k_indices", "compensate_and_select", "pack", "unpack", "scatter_sum"]
 
 
 def residual_dtype(grad_dtype: tf.DType) -> tf.DType:
@@ -20,17 +21,43 @@ def residual_dtype(grad_dtype: tf.DType) -> tf.DType:
     return tf.float64 if grad_dtype == tf.float64 else tf.float32
 
 
+def sampled_top_k_indices(magnitude: tf.Tensor, k: int, sample_size: int) -> tf.Tensor:
+    """Indices of exactly k largest entries of ``magnitude`` (flat, static size), found without a full top-k:
+    a threshold from a strided sample (aiming at ~1.5 k candidates), the candidates above it, then top-k among
+    those; if the estimate left fewer than k candidates, the exact top-k over everything."""
+    n = int(magnitude.shape[0])
+    stride = max(1, n // max(1, sample_size))
+    sample = magnitude[::stride]
+    s = int(sample.shape[0])
+    q = max(1, min(s, math.ceil(min(n, 1.5 * k + 8) * s / n)))
+    threshold = tf.math.top_k(sample, q, sorted=True).values[q - 1]
+    candidates = tf.reshape(tf.where(magnitude >= threshold), [-1])
+
+    def among_candidates() -> tf.Tensor:
+        best = tf.math.top_k(tf.gather(magnitude, candidates), k, sorted=False).indices
+        return tf.cast(tf.gather(candidates, best), tf.int32)
+
+    def over_everything() -> tf.Tensor:
+        return tf.math.top_k(magnitude, k, sorted=False).indices
+
+    return tf.cond(tf.size(candidates) >= k, among_candidates, over_everything)
+
+
 def compensate_and_select(
-    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType
+    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType, sample_size: int = 0
 ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Error-feedback Top-K on one tensor.
+    """Error-feedback Top-K on one tensor: exact ``tf.math.top_k``, or the sampled selector when
+    ``sample_size`` > 0.
 
     Returns (indices int32 (k,), values of ``wire_dtype`` (k,), new residual), where for every element
     ``new residual + sent == residual + grad`` and the rounding of the sent values to ``wire_dtype`` stays in the
     new residual.
     """
     compensated = residual + tf.cast(tf.reshape(grad, [-1]), residual.dtype)
-    _, indices = tf.math.top_k(tf.abs(compensated), k=k, sorted=False)
+    if sample_size > 0 and k < int(compensated.shape[0]):
+        indices = sampled_top_k_indices(tf.abs(compensated), k, sample_size)
+    else:
+        _, indices = tf.math.top_k(tf.abs(compensated), k=k, sorted=False)
     picked = tf.gather(compensated, indices)
     values = tf.cast(picked, wire_dtype)
     new_residual = tf.tensor_scatter_nd_update(

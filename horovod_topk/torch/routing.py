@@ -141,6 +141,14 @@ def install() -> None:
             isinstance(compression, type) and issubclass(compression, TopKEF)
         )
         refuse_unsupported_op(uses_topk, op, Average, Sum, Adasum)
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        topk_momentum = uses_topk and (compression.config if isinstance(compression, TopKEF)
+                                       else compression.default().config).momentum > 0
+        if topk_momentum and any(group.get("momentum", 0) for group in getattr(optimizer, "param_groups", [])):
+            raise ValueError(
+                "horovod-topk: TopKEF(momentum=...) applies the momentum itself (DGC momentum correction); "
+                "set the optimizer's momentum to 0, or leave TopKEF's momentum at 0."
+            )
         return horovod_distributed_optimizer(*args, **kwargs)
 
     hvd_optimizer.allreduce_async_ = allreduce_async_

@@ -58,3 +58,52 @@ def test_config_round_trips_and_refuses_unknown_keys():
 
 def test_default_is_one_percent():
     assert math.isclose(TopKConfig().ratio, 0.01)
+
+
+def test_new_options_are_validated_by_name():
+    with pytest.raises(ValueError, match="selector"):
+        TopKConfig(selector="approx")
+    with pytest.raises(ValueError, match="value_dtype"):
+        TopKConfig(value_dtype="int8")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TopKConfig(warmup_steps=-1)
+    with pytest.raises(ValueError, match="momentum"):
+        TopKConfig(momentum=1.0)
+    with pytest.raises(ValueError, match="dense_fallback"):
+        TopKConfig(dense_fallback="yes")
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_dense_fallback_switches_exactly_at_the_crossover(world):
+    """P * k * 8 > 2 (P - 1) / P * N * 4  <=>  k > (P - 1) N / P**2 (float32 values and gradients)."""
+    from horovod_topk.core.policy import allgather_nbytes, ring_allreduce_nbytes
+
+    n = 100_000
+    crossover = (world - 1) * n / world**2
+    below = math.floor(crossover) / n
+    above = (math.floor(crossover) + 1) / n
+    assert allgather_nbytes(world, math.floor(crossover), 8) <= ring_allreduce_nbytes(world, n, 4)
+    assert plan_tensor("w", n, True, TopKConfig(ratio=below), world_size=world).compressed
+    assert not plan_tensor("w", n, True, TopKConfig(ratio=above), world_size=world).compressed
+    assert plan_tensor("w", n, True, TopKConfig(ratio=above, dense_fallback=False), world_size=world).compressed
+
+
+def test_float16_values_move_the_crossover():
+    n, world = 100_000, 2  # 6 bytes per entry: dense is cheaper from k > N/3
+    assert plan_tensor("w", n, True, TopKConfig(ratio=0.33, value_dtype="float16"), world_size=world,
+                       value_itemsize=2).compressed
+    assert not plan_tensor("w", n, True, TopKConfig(ratio=0.34, value_dtype="float16"), world_size=world,
+                           value_itemsize=2).compressed
+
+
+def test_warmup_is_monotone_and_ends_at_the_target():
+    from horovod_topk.core.policy import warmup_ratio
+
+    cfg = TopKConfig(ratio=0.001, warmup_steps=10)
+    ratios = [warmup_ratio(cfg, 10_000, t) for t in range(15)]
+    assert ratios[0] == 1.0
+    assert all(a >= b for a, b in zip(ratios, ratios[1:]))
+    assert ratios[10:] == [0.001] * 5
+    ks = [plan_tensor("w", 10_000, True, cfg, step=t, world_size=2).k for t in range(15)]
+    assert ks[:3] == [None, None, None]  # ratio > 1/4: dense is cheaper on 2 workers
+    assert ks[-1] == 10

@@ -47,9 +47,10 @@ def test_indexed_slices_keep_horovods_own_path():
     assert (32, 64) in shapes and (64, 32) in shapes
 
 
-def test_error_feedback_invariant_at_one_percent():
+@pytest.mark.parametrize("options", [{}, {"selector": "exact"}, {"value_dtype": "float16"}])
+def test_error_feedback_invariant_at_one_percent(options):
     """Per tensor: sum over ranks and steps of local gradients == P * sum of reduced ones + sum of residuals."""
-    compressor = TopKEF(ratio=0.01)
+    compressor = TopKEF(ratio=0.01, **options)
     local_sum, reduced_sum, nonzeros = {}, {}, {}
 
     def record(step, names, local, reduced):

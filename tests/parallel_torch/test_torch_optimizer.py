@@ -198,3 +198,31 @@ def test_topkef_sends_fewer_bytes_and_still_trains():
     assert stats["bytes_sent"] < stats["bytes_dense"] / 5
     assert differs(trained, initial)
     assert all(torch.isfinite(p).all() for p in trained.values())
+
+
+def test_warmup_starts_dense_and_ends_sparse():
+    compressor = TopKEF(ratio=0.01, warmup_steps=4)
+    bytes_per_step = []
+
+    def sent_bytes(model):
+        bytes_per_step.append(compressor.stats()["bytes_sent"])
+
+    train(compressor, steps=7, on_synchronized=sent_bytes)
+    per_step = [b - a for a, b in zip([0] + bytes_per_step, bytes_per_step)]
+    dense = compressor.stats()["bytes_dense"] // 7
+    assert per_step[0] == dense, "step 0 runs at ratio 1: dense is cheaper, so everything goes dense"
+    assert all(a >= b for a, b in zip(per_step, per_step[1:])), per_step
+    assert per_step[-1] < dense / 5
+
+
+def test_momentum_correction_trains_and_refuses_optimizer_momentum():
+    compressor = TopKEF(ratio=0.01, momentum=0.9)
+    initial = train(hvd.Compression.none, steps=0)
+    trained = train(compressor, steps=4, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
+    record = compressor.registry.records["fc1.weight"]
+    assert record.momentum is not None and int((record.momentum == 0).sum()) >= 21  # masked where sent
+    assert differs(trained, initial) and all(torch.isfinite(p).all() for p in trained.values())
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="momentum"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                 named_parameters=model.named_parameters(), compression=compressor)

@@ -50,3 +50,10 @@ def test_invalid_options_are_refused():
         TopKEF(ratio=0)
     with pytest.raises(ValueError, match="k must be"):
         TopKEF(k=0)
+
+
+def test_pytorch_only_options_are_refused_clearly():
+    with pytest.raises(ValueError, match="warmup_steps is not supported by the TensorFlow"):
+        TopKEF(warmup_steps=10)
+    with pytest.raises(ValueError, match="momentum correction"):
+        TopKEF(momentum=0.9)

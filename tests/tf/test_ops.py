@@ -69,3 +69,22 @@ def test_scatter_sum_adds_collisions():
     expected = np.zeros(10, np.float32)
     expected[[0, 5, 9]] = [1.0, 5.0, 4.0]
     assert np.array_equal(dense.numpy(), expected)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.01, 0.001])
+def test_sampled_selector_returns_exactly_the_top_k(ratio):
+    rng = np.random.RandomState(3)
+    n = 100_000
+    k = int(np.ceil(ratio * n))
+    magnitude = np.abs(rng.standard_t(2, n)).astype(np.float32)
+    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), k, max(2048, int(100 / ratio))).numpy()
+    assert len(set(chosen.tolist())) == k
+    assert magnitude[chosen].min() >= np.sort(magnitude)[-k]
+
+
+def test_sampled_selector_falls_back_when_the_sample_misleads():
+    magnitude = np.zeros(10_000, np.float32)
+    magnitude[1::2] = 1.0  # the strided sample (even positions) sees only zeros... and then everything is >= 0
+    magnitude[7] = 5.0
+    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), 3, 64).numpy()
+    assert 7 in chosen.tolist() and len(set(chosen.tolist())) == 3

@@ -1,0 +1,116 @@
+"""The fused kernel against the exact reference (ops.compensate_and_select), on one process."""
+import math
+
+import pytest
+import torch
+
+from horovod_topk.core import PayloadLayout
+from horovod_topk.torch import kernels, ops
+
+K = kernels.load()
+pytestmark = pytest.mark.skipif(K is None, reason="the fused kernels could not be built here")
+
+
+def _compress(residual, grad, k, wire=torch.float32, momentum_buffer=None, momentum=0.0, seed=1):
+    layout = PayloadLayout(k, torch.empty(0, dtype=wire).element_size())
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    info = K.compress(residual, grad, momentum_buffer, momentum, k, layout.values_offset, payload,
+                      torch.empty(0, dtype=wire), max(2048, 100 * grad.numel() // k), seed)
+    indices, values = ops.unpack(payload, 1, layout, wire)
+    return indices[0], values[0], info
+
+
+def _gradient(kind, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen)
+    if kind == "heavy-tailed":  # Student-t with 2 degrees of freedom: a few entries dominate
+        chi2 = torch.randn(n, generator=gen) ** 2 + torch.randn(n, generator=gen) ** 2
+        g = g / torch.sqrt(chi2 / 2)
+    return g
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "heavy-tailed"])
+@pytest.mark.parametrize("ratio", [0.1, 0.01, 0.001])
+def test_exactly_k_no_mass_lost_and_the_exact_top_k(kind, ratio):
+    n = 200_000
+    k = math.ceil(ratio * n)
+    grad = _gradient(kind, n, 0)
+    residual = _gradient(kind, n, 1) * 0.1
+    compensated = residual + grad
+    indices, values, info = _compress(residual, grad.clone(), k)
+    assert indices.numel() == k and len(set(indices.tolist())) == k
+    assert torch.all(indices[1:] > indices[:-1]), "indices are ascending"
+    sent = torch.zeros(n)
+    sent[indices.long()] = values
+    torch.testing.assert_close(sent + residual, compensated, rtol=0, atol=0)
+    exact = set(torch.topk(compensated.abs(), k).indices.tolist())
+    overlap = len(exact & set(indices.tolist())) / k
+    # the sampled threshold only finds candidates; the final k are the k largest of them, which contain the
+    # exact top-k whenever the threshold is below the k-th magnitude (always, after the rescans)
+    assert overlap == 1.0, overlap
+    assert info[2] >= 1
+
+
+def test_float16_wire_keeps_the_rounding_in_the_residual():
+    n, k = 50_000, 500
+    grad = torch.randn(n) * 3
+    residual = torch.randn(n) * 1e-3
+    compensated = residual + grad
+    indices, values, _ = _compress(residual, grad.clone(), k, wire=torch.float16)
+    assert values.dtype == torch.float16
+    assert residual[indices.long()].abs().max() > 0
+    sent = torch.zeros(n)
+    sent[indices.long()] = values.float()
+    torch.testing.assert_close(sent + residual, compensated, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_gradient_dtypes(grad_dtype):
+    n, k = 10_000, 100
+    grad = torch.randn(n).to(grad_dtype)
+    residual = torch.zeros(n, dtype=ops.residual_dtype(grad_dtype))
+    indices, values, _ = _compress(residual, grad.clone(), k, wire=grad_dtype)
+    magnitude = grad.to(residual.dtype).abs()
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[indices.long()] = True
+    assert chosen.sum() == k
+    assert magnitude[chosen].min() >= magnitude[~chosen].max()  # a top-k set (bf16 has ties at the k-th)
+
+
+def test_momentum_correction_matches_the_reference_and_masks():
+    n, k, m = 20_000, 200, 0.9
+    r1, u1 = torch.zeros(n), torch.zeros(n)
+    r2, u2 = torch.zeros(n), torch.zeros(n)
+    for step in range(3):
+        grad = _gradient("gaussian", n, 10 + step)
+        idx_fused, val_fused, _ = _compress(r1, grad.clone(), k, momentum_buffer=u1, momentum=m, seed=step)
+        idx_ref, val_ref = ops.compensate_and_select(grad.clone(), r2, k, torch.float32, u2, m)
+        assert torch.equal(idx_fused, idx_ref) and torch.equal(val_fused, val_ref)
+        torch.testing.assert_close(r1, r2) and torch.testing.assert_close(u1, u2)
+        assert torch.all(u1[idx_fused.long()] == 0) and torch.all(r1[idx_fused.long()] == 0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_decompress_equals_the_reference_scatter(world):
+    n, k = 30_000, 300
+    layout = PayloadLayout(k, 4)
+    payloads = []
+    for rank in range(world):
+        residual = torch.zeros(n)
+        grad = _gradient("gaussian", n, 100 + rank)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        K.compress(residual, grad, None, 0.0, k, layout.values_offset, payload, torch.empty(0), 4096, rank)
+        payloads.append(payload)
+    gathered = torch.cat(payloads)
+    out = torch.full((n,), 7.0)  # garbage: decompress must overwrite every element
+    K.decompress(gathered, world, k, layout.values_offset, layout.nbytes, torch.empty(0), 0.5, out)
+    indices, values = ops.unpack(gathered, world, layout, torch.float32)
+    expected = ops.scatter_sum(indices, values, n, torch.float32) * 0.5
+    torch.testing.assert_close(out, expected)
+
+
+def test_decompress_refuses_out_of_range_indices():
+    layout = PayloadLayout(1, 4)
+    bad = ops.pack(torch.tensor([10], dtype=torch.int32), torch.tensor([1.0]), layout)
+    with pytest.raises(RuntimeError, match="out of range"):
+        K.decompress(bad, 1, 1, layout.values_offset, layout.nbytes, torch.empty(0), 1.0, torch.zeros(5))
