@@ -9,7 +9,7 @@ from .config import MAX_COMPRESSED_NUMEL, TopKConfig
 from .naming import allgather_name, group_member_name
 from .pending import PENDING_ATTR, PendingReduction, mark, pending_of, reduction_scale, refuse_unsupported_op
 from .payload import ALIGNMENT, INDEX_ITEMSIZE, PayloadLayout, PayloadSizeMismatch
-from .policy import TensorPlan, plan_tensor, selected_count
+from .policy import TensorPlan, plan_tensor, sample_size, selected_count
 from .registry import STATE_FORMAT, ErrorFeedbackRegistry, TensorRecord
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "TensorPlan",
     "plan_tensor",
     "selected_count",
+    "sample_size",
     "PayloadLayout",
     "PayloadSizeMismatch",
     "INDEX_ITEMSIZE",

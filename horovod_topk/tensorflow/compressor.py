@@ -13,7 +13,16 @@ from typing import Any, Dict, Optional
 import numpy as np
 import tensorflow as tf
 
-from ..core import PayloadLayout, PendingReduction, TensorRecord, TopKEFBase, allgather_name, plan_tensor, reduction_scale
+from ..core import (
+    PayloadLayout,
+    PendingReduction,
+    TensorRecord,
+    TopKEFBase,
+    allgather_name,
+    plan_tensor,
+    reduction_scale,
+    sample_size,
+)
 from . import ops
 
 __all__ = ["TopKEF"]
@@ -87,8 +96,8 @@ class TopKEF(TopKEFBase[Any]):
         pending.route = "topk"
         assert plan.k is not None
         residual = self._residual(name, record, numel, ops.residual_dtype(tensor.dtype))
-        sample_size = max(2048, 100 * numel // plan.k) if self.config.selector == "sampled" else 0
-        indices, values, new_residual = ops.compensate_and_select(tensor, residual, plan.k, wire_dtype, sample_size)
+        samples = sample_size(plan.k, numel) if self.config.selector == "sampled" else 0
+        indices, values, new_residual = ops.compensate_and_select(tensor, residual, plan.k, wire_dtype, samples)
         layout = PayloadLayout(plan.k, wire_dtype.size)
         with tf.control_dependencies([residual.assign(new_residual)]):
             payload = ops.pack(indices, values, layout)

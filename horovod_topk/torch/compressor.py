@@ -13,7 +13,16 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from ..core import PayloadLayout, PendingReduction, TensorRecord, TopKEFBase, allgather_name, plan_tensor, reduction_scale
+from ..core import (
+    PayloadLayout,
+    PendingReduction,
+    TensorRecord,
+    TopKEFBase,
+    allgather_name,
+    plan_tensor,
+    reduction_scale,
+    sample_size,
+)
 from . import ops
 
 __all__ = ["TopKEF", "TopKHandle"]
@@ -134,7 +143,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             payload = torch.empty(layout.nbytes, dtype=torch.uint8)
             kernels.compress(
                 residual, flat, momentum_buffer, self.config.momentum, plan.k, layout.values_offset, payload,
-                torch.empty(0, dtype=wire_dtype), _sample_size(plan.k, flat.numel()), record.steps,
+                torch.empty(0, dtype=wire_dtype), sample_size(plan.k, flat.numel()), record.steps,
             )
         else:
             indices, values = ops.compensate_and_select(
@@ -192,8 +201,3 @@ class TopKEF(TopKEFBase[torch.Tensor]):
     def _residual_squared_norm(self, residual: torch.Tensor) -> float:
         return float(residual.double().pow(2).sum())
 
-
-def _sample_size(k: int, numel: int) -> int:
-    """Sample about 100 / (k / N) magnitudes: ~100 of them above the threshold keep its estimate within ~10%,
-    well inside the 1.5x margin the kernel aims at (so rescans are rare)."""
-    return int(min(numel, max(2048, 100 * numel // max(k, 1))))

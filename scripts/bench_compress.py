@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Benchmark of TopKEF's compression math (PyTorch, CPU, one thread like each Horovod worker here).
+
+For each model (one 1M tensor, one 10M tensor, a 25.6M-parameter ResNet-50 made of its real layer shapes) and
+ratio, it times in the same run, best of --repeat, interleaved:
+  elementwise   one elementwise pass over all parameters (r.add_(g)): the unit of the issue's bar
+  exact top-k   torch.topk over |r + g| per tensor (the selection alone)
+  compress      residual + selection + payload, per selector ("sampled" fused kernel, "exact" torch ops)
+  decompress    the dense average from P=2 payloads, per selector
+and prints the ratios, bytes on the wire per step versus a dense ring allreduce, and the peak extra memory per
+parameter (measured in a fresh process per selector: RSS growth over the gradients' own memory).
+
+    python scripts/bench_compress.py                   # the table in README
+    python scripts/bench_compress.py --repeat 3 --models 1M
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from horovod_topk.core import PayloadLayout, sample_size
+from horovod_topk.torch import kernels, ops
+
+WORLD = 2
+
+
+def resnet50_shapes() -> List[tuple]:
+    """Weight shapes of torchvision's ResNet-50 (25.5M weights; BatchNorm scales/biases are left out: they are
+    small and travel dense), built here to avoid a torchvision dependency."""
+    shapes = [(64, 3, 7, 7)]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes, planes, 3, 3), (planes * 4, planes, 1, 1)]
+            if b == 0:
+                shapes.append((planes * 4, inplanes, 1, 1))  # downsample
+            inplanes = planes * 4
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+MODELS: Dict[str, Callable[[], List[tuple]]] = {
+    "1M": lambda: [(1_000_000,)],
+    "10M": lambda: [(10_000_000,)],
+    "resnet50-25.6M": resnet50_shapes,
+}
+
+
+def best_ms(fn: Callable[[], None], repeat: int, setup: Callable[[], None] = lambda: None) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        setup()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+class Model:
+    """Gradients, residuals and per-tensor k for one model and ratio."""
+
+    def __init__(self, shapes: List[tuple], ratio: float, seed: int = 0, keep_copy: bool = True) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.grads = [torch.randn(math.prod(s), generator=gen) for s in shapes]
+        self.saved = [g.clone() for g in self.grads] if keep_copy else []
+        self.residuals = [torch.zeros_like(g) for g in self.grads]
+        self.ks = [max(1, math.ceil(ratio * g.numel())) for g in self.grads]
+        self.layouts = [PayloadLayout(k, 4) for k in self.ks]
+        self.numel = sum(g.numel() for g in self.grads)
+
+    def restore(self) -> None:
+        for g, s in zip(self.grads, self.saved):
+            g.copy_(s)
+
+
+def compress_all(m: Model, selector: str) -> List[torch.Tensor]:
+    payloads = []
+    wire = torch.empty(0)
+    for g, r, k, lay in zip(m.grads, m.residuals, m.ks, m.layouts):
+        if selector == "sampled":
+            p = torch.empty(lay.nbytes, dtype=torch.uint8)
+            kernels.load().compress(r, g, None, 0.0, k, lay.values_offset, p, wire, sample_size(k, g.numel()), 1)
+        else:
+            idx, val = ops.compensate_and_select(g, r, k, torch.float32)
+            p = ops.pack(idx, val, lay)
+        payloads.append(p)
+    return payloads
+
+
+def decompress_all(m: Model, selector: str, gathered: List[torch.Tensor]) -> None:
+    wire = torch.empty(0)
+    for g, lay, buf in zip(m.grads, m.layouts, gathered):
+        if selector == "sampled":
+            kernels.load().decompress(buf, WORLD, lay.k, lay.values_offset, lay.nbytes, wire, 1.0 / WORLD, g)
+        else:
+            idx, val = ops.unpack(buf, WORLD, lay, torch.float32)
+            g.copy_(ops.scatter_sum(idx, val * (1.0 / WORLD), g.numel(), torch.float32))
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_probe(model: str, selector: str, ratio: float) -> None:
+    """Run in a fresh process: print the extra bytes per parameter that TopKEF needs, i.e. the residual (4 bytes,
+    persistent) plus the transient peak of compress/decompress above the gradients + residuals (Linux: the peak
+    RSS is reset through /proc/self/clear_refs right before the steps)."""
+    torch.set_num_threads(1)
+    kernels.load()
+    m = Model(MODELS[model](), ratio, keep_copy=False)
+    compress_all(m, selector)  # warm-up: allocator caches and kernel code paths
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    base = _rss_kib("VmRSS")
+    for _ in range(3):
+        payloads = compress_all(m, selector)
+        decompress_all(m, selector, [torch.cat([p, p]) for p in payloads])
+    transient = max(0, _rss_kib("VmHWM") - base) * 1024 / m.numel
+    print(4 + transient)
+
+
+def measured_memory(model: str, selector: str, ratio: float) -> float:
+    out = subprocess.run([sys.executable, __file__, "--memory-probe", model, selector, str(ratio)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--ratios", nargs="+", type=float, default=[0.1, 0.01, 0.001])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--memory-probe", nargs=3, metavar=("MODEL", "SELECTOR", "RATIO"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_probe:
+        memory_probe(args.memory_probe[0], args.memory_probe[1], float(args.memory_probe[2]))
+        return
+    torch.set_num_threads(1)
+    if kernels.load() is None:
+        sys.exit("the fused kernels could not be built; nothing to compare")
+    print(f"# torch {torch.__version__}, 1 thread, {os.cpu_count()} cores, P={WORLD} payloads per decompress, "
+          f"best of {args.repeat}; times in ms")
+    print("| model | ratio | elementwise | exact top-k | compress sampled | decompress sampled | compress exact "
+          "| decompress exact | sampled (c+d) / elementwise | exact top-k / sampled (c+d) | bytes/step sent vs dense "
+          "allreduce | extra bytes/param sampled, exact |")
+    print("|" + "---|" * 12)
+    for name in args.models:
+        for ratio in args.ratios:
+            m = Model(MODELS[name](), ratio)
+            other = compress_all(Model(MODELS[name](), ratio, seed=1), "sampled")  # the second rank's payloads
+            scratch = [torch.zeros_like(g) for g in m.grads]
+            t: Dict[str, float] = {}
+            t["elementwise"] = best_ms(lambda: [s.add_(g) for s, g in zip(scratch, m.grads)], args.repeat)
+            t["topk"] = best_ms(lambda: [torch.topk(s.abs(), k, sorted=False) for s, k in zip(scratch, m.ks)],
+                                args.repeat)
+            for selector in ("sampled", "exact"):
+                payloads: List[torch.Tensor] = []
+                t[f"c_{selector}"] = best_ms(lambda: payloads.__setitem__(slice(None), compress_all(m, selector)),
+                                             args.repeat, m.restore)
+                gathered = [torch.cat([p, q]) for p, q in zip(payloads, other)]
+                t[f"d_{selector}"] = best_ms(lambda: decompress_all(m, selector, gathered), args.repeat)
+            sampled = t["c_sampled"] + t["d_sampled"]
+            sent = sum(lay.nbytes for lay in m.layouts) * (WORLD - 1)  # an allgather moves the others' payloads
+            dense = 2 * (WORLD - 1) / WORLD * m.numel * 4  # a ring allreduce
+            mem = [measured_memory(name, s, ratio) for s in ("sampled", "exact")]
+            print(f"| {name} | {ratio:g} | {t['elementwise']:.1f} | {t['topk']:.1f} | {t['c_sampled']:.1f} | "
+                  f"{t['d_sampled']:.1f} | {t['c_exact']:.1f} | {t['d_exact']:.1f} | "
+                  f"{sampled / t['elementwise']:.2f}x | {t['topk'] / sampled:.1f}x | "
+                  f"{sent / 1e6:.2f} MB vs {dense / 1e6:.1f} MB ({dense / sent:.0f}x less) | "
+                  f"{mem[0]:.1f}, {mem[1]:.1f} |", flush=True)
+    print("\nextra bytes/param: the residual (4) plus the peak RSS growth during compress+decompress steps")
+
+
+if __name__ == "__main__":
+    main()
