@@ -226,3 +226,10 @@ def test_momentum_correction_trains_and_refuses_optimizer_momentum():
     with pytest.raises(ValueError, match="momentum"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                  named_parameters=model.named_parameters(), compression=compressor)
+
+
+def test_sampled_selector_trains_exactly_like_exact_top_k():
+    """The sampled selector picks the exact top-k set, so training follows the exact selector step for step."""
+    exact = train(TopKEF(ratio=0.01, selector="exact"), steps=6)
+    sampled = train(TopKEF(ratio=0.01, selector="sampled"), steps=6)
+    assert_same_params(sampled, exact)
