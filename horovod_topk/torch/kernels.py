@@ -8,6 +8,7 @@ results up to ties.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from types import ModuleType
 from typing import Optional
@@ -24,6 +25,10 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
     global _module, _failed
     if _module is not None or _failed:
         return _module
+    # pip installs the ninja binary next to the interpreter; make it findable even without an activated venv
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load as build
 
