@@ -11,6 +11,15 @@ K = kernels.load()
 pytestmark = pytest.mark.skipif(K is None, reason="the fused kernels could not be built here")
 
 
+def test_compress_zeroes_the_gradient_buffer_it_consumed():
+    grad, residual = torch.randn(5000), torch.zeros(5000)
+    original = grad.clone()
+    _compress(residual, grad, 50)
+    assert torch.all(grad == 0)
+    assert torch.equal(torch.count_nonzero(residual), torch.tensor(5000 - 50))
+    assert torch.all((residual == 0) | (residual == original))
+
+
 def _compress(residual, grad, k, wire=torch.float32, momentum_buffer=None, momentum=0.0, seed=1):
     layout = PayloadLayout(k, torch.empty(0, dtype=wire).element_size())
     payload = torch.empty(layout.nbytes, dtype=torch.uint8)
@@ -102,7 +111,7 @@ def test_decompress_equals_the_reference_scatter(world):
         K.compress(residual, grad, None, 0.0, k, layout.values_offset, payload, torch.empty(0), 4096, rank)
         payloads.append(payload)
     gathered = torch.cat(payloads)
-    out = torch.full((n,), 7.0)  # garbage: decompress must overwrite every element
+    out = torch.zeros(n)  # what compress leaves in the gradient buffer
     K.decompress(gathered, world, k, layout.values_offset, layout.nbytes, torch.empty(0), 0.5, out)
     indices, values = ops.unpack(gathered, world, layout, torch.float32)
     expected = ops.scatter_sum(indices, values, n, torch.float32) * 0.5

@@ -2,12 +2,13 @@
 //
 // Why a kernel: with torch ops every step of Top-K selection (compensate, |.|, threshold, mask, nonzero, gather,
 // residual update) is another pass over N elements, and exact torch.topk is ~40x one elementwise pass. Here:
-//   compress   = one pass that compensates (r += g, or DGC momentum correction) and collects the entries above a
+//   compress   = one pass that compensates (r += g, or DGC momentum correction), zeroes the gradient buffer it has
+//                just read (so decompress needs no zeroing pass of its own) and collects the entries above a
 //                threshold estimated on a strided sample; exactly k of those candidates are kept (nth_element on
 //                their magnitudes), packed into the payload, and their residual keeps only the rounding error of
 //                the wire dtype.
-//   decompress = zero the output (the gradient's own buffer: no allocation), then add the P payloads' scaled
-//                values in, each walking its ascending indices front to back.
+//   decompress = add the P payloads' scaled values into that zeroed gradient buffer (no allocation), each walking
+//                its ascending indices front to back with prefetching.
 // Payload layout (horovod_topk/core/payload.py): [k int32 indices | pad | k values | pad to 8 bytes].
 #include <torch/extension.h>
 
@@ -55,7 +56,7 @@ struct Candidates {
 // it is in cache (later steps never read r at random places; they only write the k selected entries). The
 // gradient is only read: three memory streams, like r += g.
 template <typename R, typename G>
-void compensate_and_collect(R* __restrict__ r, const G* __restrict__ g, R* __restrict__ u, R m, int64_t n, R thr,
+void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict__ u, R m, int64_t n, R thr,
                             bool compensate, Candidates<R>& out) {
   constexpr int64_t B = 16;
   int64_t b = 0;
@@ -72,6 +73,7 @@ void compensate_and_collect(R* __restrict__ r, const G* __restrict__ g, R* __res
         }
         v += add;
         r[b + j] = v;
+        g[b + j] = G(0);
       }
       const R a = std::fabs(v);
       mx = mx > a ? mx : a;
@@ -90,6 +92,7 @@ void compensate_and_collect(R* __restrict__ r, const G* __restrict__ g, R* __res
         add = u[b];
       }
       r[b] += add;
+      g[b] = G(0);
     }
     if (std::fabs(r[b]) >= thr) out.add(b, r[b]);
   }
@@ -99,7 +102,7 @@ void compensate_and_collect(R* __restrict__ r, const G* __restrict__ g, R* __res
 // The common case (float32 residual and gradient, no momentum) with SIMD: compare the magnitudes of a block at once
 // and walk only the set bits of the hit mask, so the cost of the collection grows with the number of candidates,
 // not with the number of elements. AVX2 (8 floats) when the CPU has it, SSE2 (4 floats, every x86-64) otherwise.
-__attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, const float* __restrict__ g, int64_t n,
+__attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* __restrict__ g, int64_t n,
                                                    float thr, bool compensate, Candidates<float>& out, int64_t& done) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 t = _mm256_set1_ps(thr);
@@ -113,6 +116,7 @@ __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, const f
       if (compensate) {
         v[q] = _mm256_add_ps(v[q], _mm256_loadu_ps(g + b + 8 * q));
         _mm256_storeu_ps(r + b + 8 * q, v[q]);
+        _mm256_storeu_ps(g + b + 8 * q, _mm256_setzero_ps());
       }
       mask |= static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_GE_OQ)))
               << (8 * q);
@@ -129,7 +133,7 @@ __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, const f
   done = b;
 }
 
-void collect_sse2(float* __restrict__ r, const float* __restrict__ g, int64_t n, float thr, bool compensate,
+void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float thr, bool compensate,
                   Candidates<float>& out, int64_t& done) {
   const __m128 sign = _mm_set1_ps(-0.0f);
   const __m128 t = _mm_set1_ps(thr);
@@ -143,6 +147,7 @@ void collect_sse2(float* __restrict__ r, const float* __restrict__ g, int64_t n,
       if (compensate) {
         v[q] = _mm_add_ps(v[q], _mm_loadu_ps(g + b + 4 * q));
         _mm_storeu_ps(r + b + 4 * q, v[q]);
+        _mm_storeu_ps(g + b + 4 * q, _mm_setzero_ps());
       }
       mask |= static_cast<unsigned>(_mm_movemask_ps(_mm_cmpge_ps(_mm_andnot_ps(sign, v[q]), t))) << (4 * q);
     }
@@ -159,13 +164,14 @@ void collect_sse2(float* __restrict__ r, const float* __restrict__ g, int64_t n,
 }
 
 template <>
-void compensate_and_collect<float, float>(float* __restrict__ r, const float* __restrict__ g, float* __restrict__ u,
+void compensate_and_collect<float, float>(float* __restrict__ r, float* __restrict__ g, float* __restrict__ u,
                                           float m, int64_t n, float thr, bool compensate, Candidates<float>& out) {
   if (u != nullptr) {  // momentum correction: the portable loop
     for (int64_t i = 0; i < n; ++i) {
       if (compensate) {
         u[i] = m * u[i] + g[i];
         r[i] += u[i];
+        g[i] = 0.0f;
       }
       if (std::fabs(r[i]) >= thr) {
         out.reserve_more(1);
@@ -182,7 +188,10 @@ void compensate_and_collect<float, float>(float* __restrict__ r, const float* __
     collect_sse2(r, g, n, thr, compensate, out, b);
   out.reserve_more(32);
   for (; b < n; ++b) {
-    if (compensate) r[b] += g[b];
+    if (compensate) {
+      r[b] += g[b];
+      g[b] = 0.0f;
+    }
     if (std::fabs(r[b]) >= thr) out.add(b, r[b]);
   }
 }
@@ -216,7 +225,7 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
                    int64_t seed) {
   const int64_t n = residual.numel();
   R* r = residual.data_ptr<R>();
-  const G* g = grad.data_ptr<G>();
+  G* g = grad.data_ptr<G>();
   R* u = momentum_buf.has_value() ? momentum_buf->data_ptr<R>() : nullptr;
   const R m = static_cast<R>(momentum);
 
@@ -231,6 +240,12 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   sample.clear();
   sample.reserve(static_cast<size_t>(runs * RUN));
   for (int64_t b = start; b < n; b += stride) {
+    const int64_t ahead = b + 8 * stride;  // the runs are far apart: prefetch a few ahead to hide the latency
+    if (ahead < n) {
+      __builtin_prefetch(r + ahead);
+      __builtin_prefetch(g + ahead);
+      if (u != nullptr) __builtin_prefetch(u + ahead);
+    }
     for (int64_t i = b; i < std::min<int64_t>(b + RUN, n); ++i) {
       R add = static_cast<R>(g[i]);
       if (u != nullptr) add = m * u[i] + add;
@@ -285,6 +300,10 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   std::memcpy(base, cand.index.data(), static_cast<size_t>(k) * sizeof(int32_t));
   W* values = reinterpret_cast<W*>(base + values_offset);
   for (int64_t i = 0; i < k; ++i) {
+    if (i + 32 < k) {
+      __builtin_prefetch(r + cand.index[i + 32], 1);
+      if (u != nullptr) __builtin_prefetch(u + cand.index[i + 32], 1);
+    }
     const int32_t idx = cand.index[i];
     const R v = cand.value[i];
     const W w = static_cast<W>(v);
@@ -307,15 +326,17 @@ void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t v
       TORCH_CHECK(idx[i] >= 0 && idx[i] < n, "horovod-topk: payload index ", idx[i], " out of range for a tensor of ",
                   n, " elements");
   }
-  // A streaming zero of the output, then the P payloads added in: their indices are ascending (the compress
-  // kernel writes them so), so each scatter walks the output front to back. Measured faster here than merging
-  // the P lists into one sweep that writes the zeros between entries itself.
-  out.zero_();
+  // The output was zeroed by compress; the P payloads are added in. Their indices are ascending (compress writes
+  // them so): each scatter walks the output front to back. Measured faster here than merging the P lists into
+  // one sweep that writes the zeros between entries itself, and than a separate zeroing pass.
   for (int64_t p = 0; p < world; ++p) {
     const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * nbytes);
     const W* val = reinterpret_cast<const W*>(base + p * nbytes + values_offset);
-    for (int64_t i = 0; i < k; ++i)
+    constexpr int64_t AHEAD = 32;  // prefetch distance: the indices are known, so hide the memory latency
+    for (int64_t i = 0; i < k; ++i) {
+      if (i + AHEAD < k) __builtin_prefetch(o + idx[i + AHEAD], 1);
       o[idx[i]] = static_cast<O>(static_cast<float>(o[idx[i]]) + static_cast<float>(scale * static_cast<double>(val[i])));
+    }
   }
 }
 
@@ -377,5 +398,5 @@ void decompress(torch::Tensor gathered, int64_t world, int64_t k, int64_t values
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
-  m.def("decompress", &decompress, "zero the output, then add the P payloads, scaled");
+  m.def("decompress", &decompress, "add the P payloads, scaled, into the gradient buffer compress zeroed");
 }
