@@ -11,6 +11,7 @@ from typing import Tuple
 import tensorflow as tf
 
 from ..core.payload import PayloadLayout
+from ..core.policy import CANDIDATE_MARGIN
 
 __all__ = ["residual_dtype", "sampled_top_k_indices", "compensate_and_select", "pack", "unpack", "scatter_sum"]
 
@@ -23,13 +24,13 @@ def residual_dtype(grad_dtype: tf.DType) -> tf.DType:
 
 def sampled_top_k_indices(magnitude: tf.Tensor, k: int, sample_size: int) -> tf.Tensor:
     """Indices of exactly k largest entries of ``magnitude`` (flat, static size), found without a full top-k:
-    a threshold from a strided sample (aiming at ~1.5 k candidates), the candidates above it, then top-k among
-    those; if the estimate left fewer than k candidates, the exact top-k over everything."""
+    a threshold from a strided sample (aiming at CANDIDATE_MARGIN * k candidates), the candidates above it, then
+    top-k among those; if the estimate left fewer than k candidates, the exact top-k over everything."""
     n = int(magnitude.shape[0])
     stride = max(1, n // max(1, sample_size))
     sample = magnitude[::stride]
     s = int(sample.shape[0])
-    q = max(1, min(s, math.ceil(min(n, 1.5 * k + 8) * s / n)))
+    q = max(1, min(s, math.ceil(min(n, CANDIDATE_MARGIN * k + 8) * s / n)))
     threshold = tf.math.top_k(sample, q, sorted=True).values[q - 1]
     candidates = tf.reshape(tf.where(magnitude >= threshold), [-1])
 

@@ -197,14 +197,14 @@ void compensate_and_collect<float, float>(float* __restrict__ r, float* __restri
 }
 #endif
 
-// The threshold that ~1.5 k + 8 of n values exceed, estimated from a sample of their magnitudes: enough margin
-// that the candidates fall short of k only rarely (then the caller lowers it and rescans). The q-th largest of
-// the sample (q is small: ~1.5 * 30..100) comes from a min-heap of size q that most samples fail to enter with a
-// single comparison, much cheaper than nth_element over the whole sample.
+// The threshold that ~1.3 k + 8 of n values exceed (CANDIDATE_MARGIN in core/policy.py), estimated from a
+// sample of their magnitudes: enough margin that the candidates fall short of k only rarely (then the caller
+// lowers it and rescans). The q-th largest of the sample (q is small: ~1.3 * 60) comes from a min-heap of size q
+// that most samples fail to enter with a single comparison, much cheaper than nth_element over the sample.
 template <typename R>
 R quantile_threshold(const std::vector<R>& sample, int64_t n, int64_t k) {
   const int64_t s = static_cast<int64_t>(sample.size());
-  const double expected = std::min<double>(static_cast<double>(n), 1.5 * static_cast<double>(k) + 8.0);
+  const double expected = std::min<double>(static_cast<double>(n), 1.3 * static_cast<double>(k) + 8.0);
   int64_t q = static_cast<int64_t>(std::ceil(expected * static_cast<double>(s) / static_cast<double>(n)));
   q = std::max<int64_t>(1, std::min<int64_t>(q, s));
   std::vector<R> heap(sample.begin(), sample.begin() + q);
