@@ -2,6 +2,7 @@
 (shipped with scikit-learn, no download), a fixed stratified 80/20 split, and each worker's shard."""
 from __future__ import annotations
 
+import argparse
 from typing import Tuple
 
 import numpy as np
@@ -17,3 +18,15 @@ def load_split(seed: int, rank: int, size: int) -> Tuple[np.ndarray, np.ndarray,
         x, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
     )
     return x_train[rank::size], y_train[rank::size].astype(np.int64), x_test, y_test.astype(np.int64)
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """The command line both examples share."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--ratio", type=float, default=0.01, help="TopKEF ratio")
+    parser.add_argument("--dense", action="store_true", help="plain Horovod allreduce instead of TopKEF")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()

@@ -8,7 +8,6 @@ Same data, model and schedule as digits_torch.py. Horovod 0.28.1's Keras wrapper
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -17,7 +16,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import horovod.tensorflow as hvd_tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from digits_data import load_split  # noqa: E402
+from digits_data import load_split, parse_args  # noqa: E402
 
 from horovod_topk.tensorflow import TopKEF  # noqa: E402
 
@@ -53,14 +52,7 @@ class Report(tf.keras.callbacks.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--ratio", type=float, default=0.01, help="TopKEF ratio")
-    parser.add_argument("--dense", action="store_true", help="plain Horovod allreduce instead of TopKEF")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     hvd.init()
     tf.keras.utils.set_random_seed(args.seed)

@@ -9,12 +9,11 @@ what a dense allreduce would have handed over.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import horovod.torch as hvd
 import torch
-from digits_data import load_split
+from digits_data import load_split, parse_args
 from torch import nn
 
 from horovod_topk.torch import TopKEF
@@ -35,14 +34,7 @@ class DigitsCNN(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--ratio", type=float, default=0.01, help="TopKEF ratio")
-    parser.add_argument("--dense", action="store_true", help="plain Horovod allreduce instead of TopKEF")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     hvd.init()
     torch.manual_seed(args.seed)

@@ -1,5 +1,4 @@
 """TopKEF with hvd.DistributedGradientTape (eager and tf.function) and Horovod's Keras optimizer wrapper."""
-import json
 import os
 import tempfile
 
@@ -10,6 +9,7 @@ import tensorflow as tf
 
 from horovod_topk.tensorflow import TopKEF
 
+from ..timeline import timeline_activities
 from .tf_harness import assert_same, batch, make_variables, train_tape
 
 EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False)
@@ -80,17 +80,6 @@ def test_error_feedback_invariant_at_one_percent(options):
     assert compressor.stats()["compression_ratio"] > 5
 
 
-def _timeline(path):
-    text = open(path).read().strip().rstrip(",")
-    events = json.loads(text if text.endswith("]") else text + "]")
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name" and "name" in e["args"]}
-    out = {}
-    for e in events:
-        if e.get("ph") == "B" and e.get("pid") in names:
-            out.setdefault(names[e["pid"]], set()).add(e["name"])
-    return out
-
-
 def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors():
     path = hvd.broadcast_object(tempfile.mktemp(suffix=".json", prefix="topk-tf-timeline-"), root_rank=0)
     compressor = TopKEF(ratio=0.01)
@@ -102,7 +91,7 @@ def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors():
     dense = sorted(n for n, r in compressor.registry.records.items() if r.residual is None)
     problems = []
     if hvd.rank() == 0:
-        events = _timeline(path)
+        events = timeline_activities(path)
         os.unlink(path)
         for name in compressed:
             gathered = [c for c in events if c.endswith(f"topk.{name}")]

@@ -3,7 +3,6 @@
 With ratio 1.0 every entry is sent, so training must match plain Horovod exactly (up to float rounding): that
 checks the routing, scaling and decompression for every option Horovod's optimizer has.
 """
-import json
 import os
 import tempfile
 
@@ -13,6 +12,7 @@ import torch
 
 from horovod_topk.torch import TopKEF
 
+from ..timeline import timeline_activities
 from .conftest import SINGLE_RANK_SETS
 from .torch_harness import assert_same_params, batch, differs, train
 
@@ -148,20 +148,6 @@ def test_error_feedback_invariant_at_one_percent(options):
     assert stats["compression_ratio"] > 5 and stats["residual_norm"] > 0
 
 
-def _timeline_events(path):
-    """{collective name: set of activity names} from a Horovod timeline (Chrome trace JSON, maybe unterminated)."""
-    text = open(path).read().strip().rstrip(",")
-    if not text.endswith("]"):
-        text += "]"
-    events = json.loads(text)
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name" and "name" in e["args"]}
-    by_collective = {}
-    for e in events:
-        if e.get("ph") == "B" and e.get("pid") in names:
-            by_collective.setdefault(names[e["pid"]], set()).add(e["name"])
-    return by_collective
-
-
 def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors():
     path = hvd.broadcast_object(tempfile.mktemp(suffix=".json", prefix="topk-timeline-"), root_rank=0)
     compressor = TopKEF(ratio=0.01)
@@ -173,7 +159,7 @@ def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors():
     dense = sorted(n for n, r in compressor.registry.records.items() if r.residual is None)
     problems = []
     if hvd.rank() == 0:  # only rank 0 writes the timeline; its verdict is shared so every rank passes or fails
-        events = _timeline_events(path)
+        events = timeline_activities(path)
         os.unlink(path)
         for name in compressed:
             if "ALLGATHER" not in events.get(f"allgather.topk.{name}", set()):
