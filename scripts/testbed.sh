@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# A multi-host test bed on one machine: N "hosts" as Linux network namespaces, each joined to a bridge (in a
+# switch namespace of its own) by a veth link shaped with tc, and Horovod jobs started across them through the
+# real multi-host launch path (mpirun with a host list; the remote shell is `ip netns exec` instead of ssh).
+# Nothing outside the namespaces this script creates is touched; only their private addresses are used.
+#
+#   scripts/testbed.sh up N [--rate 1gbit] [--delay 0.2ms]   create hosts topk-h1..N (10.77.0.1..N) and shape
+#   scripts/testbed.sh run N [--rate R] [--delay D] -- CMD...  up, run CMD on N workers (1 per host), down
+#   scripts/testbed.sh bytes N                                  bytes each host's link sent and received so far
+#   scripts/testbed.sh down                                     remove everything this script created
+#
+# Shaping: --rate with tbf on each host's link (both directions), --delay with netem when the kernel has it
+# (the script says so when it does not). Needs root and iproute2.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PREFIX=topk
+SUBNET=10.77.0
+SWITCH=${PREFIX}-sw
+
+die() { echo "testbed: $*" >&2; exit 2; }
+log() { echo "testbed: $*" >&2; }
+
+check() {
+  [[ $(id -u) -eq 0 ]] || die "needs root (network namespaces); run as root or with sudo"
+  command -v ip >/dev/null && command -v tc >/dev/null || die "needs iproute2 (ip, tc): apt-get install iproute2"
+}
+
+down() {
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${PREFIX}-(h[0-9]+|sw)$" || true); do
+    ip netns del "$ns" 2>/dev/null || true
+  done
+}
+
+shape() {  # shape DEV-IN-NAMESPACE NS RATE DELAY
+  local ns=$1 dev=$2 rate=$3 delay=$4
+  if [[ -n "$delay" ]]; then
+    if ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: netem delay "$delay" ${rate:+rate "$rate"} 2>/dev/null; then
+      return
+    fi
+    [[ -n "${WARNED_NETEM:-}" ]] || log "this kernel has no netem qdisc: --delay $delay cannot be emulated here; shaping bandwidth only"
+    WARNED_NETEM=1
+  fi
+  if [[ -n "$rate" ]]; then
+    ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "$rate" burst 256kb latency 400ms
+  fi
+}
+
+up() {
+  local n=$1 rate=$2 delay=$3
+  down
+  ip netns add "$SWITCH"
+  ip -n "$SWITCH" link add br0 type bridge
+  ip -n "$SWITCH" link set br0 up
+  for i in $(seq 1 "$n"); do
+    local ns=${PREFIX}-h$i
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    ip link add "${PREFIX}h${i}a" netns "$ns" type veth peer name "h${i}" netns "$SWITCH"
+    ip -n "$ns" link set "${PREFIX}h${i}a" name eth0
+    ip -n "$ns" addr add "$SUBNET.$i/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$SWITCH" link set "h${i}" master br0
+    ip -n "$SWITCH" link set "h${i}" up
+    shape "$ns" eth0 "$rate" "$delay"          # what the host sends
+    shape "$SWITCH" "h${i}" "$rate" "$delay"   # what the host receives
+  done
+  log "up: $n hosts ${SUBNET}.1-$n, rate ${rate:-unlimited}, delay ${delay:-none}${WARNED_NETEM:+ (not emulated)}"
+}
+
+bytes() {
+  local n=$1
+  for i in $(seq 1 "$n"); do
+    local tx rx
+    tx=$(ip netns exec ${PREFIX}-h$i cat /sys/class/net/eth0/statistics/tx_bytes)
+    rx=$(ip netns exec ${PREFIX}-h$i cat /sys/class/net/eth0/statistics/rx_bytes)
+    echo "host$i tx_bytes=$tx rx_bytes=$rx"
+  done
+}
+
+run() {
+  local n=$1 rate=$2 delay=$3; shift 3
+  trap down EXIT
+  up "$n" "$rate" "$delay"
+  local hosts=""
+  for i in $(seq 1 "$n"); do hosts+="${hosts:+,}$SUBNET.$i:1"; done
+  # mpirun's remote shell: "agent HOST CMD..." runs CMD inside that host's namespace (instead of ssh HOST CMD).
+  AGENT=$(mktemp /tmp/topk-testbed-agent.XXXXXX)
+  cat >"$AGENT" <<AGENT
+#!/usr/bin/env bash
+while [[ "\$1" == -* ]]; do shift; done   # ssh-style options mpirun may pass
+host=\${1##*.}; shift
+exec ip netns exec ${PREFIX}-h\$host env PATH="\$PATH" sh -c "\$*"
+AGENT
+  chmod +x "$AGENT"
+  trap 'rm -f "$AGENT"; down' EXIT
+  local status=0
+  ip netns exec ${PREFIX}-h1 env PATH="$PATH" mpirun --allow-run-as-root --tag-output -np "$n" -H "$hosts" \
+    --mca plm_rsh_agent "$AGENT" --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 \
+    --mca btl self,tcp --bind-to none \
+    -x PATH -x VIRTUAL_ENV -x OMP_NUM_THREADS -x TF_USE_LEGACY_KERAS \
+    -x HOROVOD_GLOO_IFACE=eth0 -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=120 \
+    "$@" || status=$?
+  bytes "$n"
+  return $status
+}
+
+parse_shaping() {  # sets RATE DELAY REST from "--rate R --delay D [-- ...]"
+  RATE=""; DELAY=""; REST=()
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --rate) RATE=$2; shift 2 ;;
+      --delay) DELAY=$2; shift 2 ;;
+      --) shift; REST=("$@"); return ;;
+      *) die "unknown option $1" ;;
+    esac
+  done
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  up) check; n=${1:?N}; shift; parse_shaping "$@"; up "$n" "$RATE" "$DELAY" ;;
+  run) check; n=${1:?N}; shift; parse_shaping "$@"; [[ ${#REST[@]} -gt 0 ]] || die "run N [...] -- CMD"
+       source "$ROOT/scripts/env.sh"; run "$n" "$RATE" "$DELAY" "${REST[@]}" ;;
+  bytes) check; bytes "${1:?N}" ;;
+  down) check; down ;;
+  *) sed -n '2,14p' "$0"; exit 2 ;;
+esac
