@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything horovod-topk needs on a fresh Debian machine, idempotently:
-#   - Debian packages: OpenMPI (Horovod's MPI controller), cmake and g++ (to build Horovod);
+#   - Debian packages: OpenMPI (Horovod's MPI controller), cmake and g++ (to build Horovod), iproute2 (test bed);
 #   - a virtual environment at .venv (or the user's own active one, when $VIRTUAL_ENV is set);
 #   - torch 2.13.0 (CPU), tensorflow-cpu 2.21.0 + tf-keras, mpi4py, numpy, scikit-learn, pytest;
 #   - Horovod 0.28.1 built from PyPI's sdist with PyTorch, TensorFlow, MPI and Gloo;
@@ -50,6 +50,7 @@ dpkg -s libopenmpi-dev >/dev/null 2>&1 || need_apt+=(libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)  # scripts/testbed.sh (network namespaces, tc)
 if ((${#need_apt[@]})); then
   log "installing Debian packages: ${need_apt[*]}"
   SUDO=""; [[ $(id -u) -eq 0 ]] || SUDO="sudo"
