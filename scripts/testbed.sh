@@ -93,6 +93,10 @@ exec ip netns exec ${PREFIX}-h\$host env PATH="\$PATH" sh -c "\$*"
 AGENT
   chmod +x "$AGENT"
   trap 'rm -f "$AGENT"; down' EXIT
+  # A caller that is itself an MPI process (e.g. after a single-rank hvd.init()) leaks PMIx/OpenMPI variables
+  # that would make this mpirun think it is nested in that job.
+  local var
+  for var in $(compgen -e | grep -E '^(PMIX_|OMPI_|OPAL_|PRTE_)' | grep -v '^OMPI_ALLOW_RUN_AS_ROOT'); do unset "$var"; done
   local status=0
   ip netns exec ${PREFIX}-h1 env PATH="$PATH" mpirun --allow-run-as-root --tag-output -np "$n" -H "$hosts" \
     --mca plm_rsh_agent "$AGENT" --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 \

@@ -20,6 +20,9 @@ def test_two_hosts_train_topkef_across_a_shaped_link():
         [str(ROOT / "scripts" / "testbed.sh"), "run", "2", "--rate", "100mbit", "--",
          "python", str(ROOT / "tests" / "testbed_job.py")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
+        # os.environ explicitly: this pytest process may have initialised MPI (single-rank Horovod tests), whose
+        # C-level environment variables would make mpirun believe it runs inside another MPI job
+        env=dict(os.environ),
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
