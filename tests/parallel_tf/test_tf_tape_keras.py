@@ -109,7 +109,7 @@ def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors():
 
 def test_adasum_is_refused_at_construction():
     with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.Variable(1.0) * 2.0)
+        tf.reduce_sum(tf.Variable(1.0) * 2.0)
     with pytest.raises(ValueError, match="Adasum"):
         hvd.DistributedGradientTape(tape, compression=TopKEF, op=hvd.Adasum)
 

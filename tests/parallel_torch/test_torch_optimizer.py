@@ -14,7 +14,7 @@ from horovod_topk.torch import TopKEF
 
 from ..timeline import timeline_activities
 from .conftest import SINGLE_RANK_SETS
-from .torch_harness import assert_same_params, batch, differs, train
+from .torch_harness import assert_same_params, differs, train
 
 EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False)
 
