@@ -9,6 +9,7 @@ routes the mark and the tensor is simply reduced dense.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -28,6 +29,13 @@ from . import ops
 __all__ = ["TopKEF", "TopKHandle"]
 
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_token(dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of ``dtype``: how the kernels are told a dtype, and its itemsize (made once per dtype,
+    not per tensor and step)."""
+    return torch.empty(0, dtype=dtype)
 
 
 class TopKHandle:
@@ -70,7 +78,7 @@ class TopKHandle:
             if self._kernels is not None and flat.device.type == "cpu":
                 self._kernels.decompress(
                     gathered, self._world_size, self._layout.k, self._layout.values_offset, self._layout.nbytes,
-                    torch.empty(0, dtype=self._value_dtype), self._scale, flat,
+                    _dtype_token(self._value_dtype), self._scale, flat,
                 )
             else:
                 indices, values = ops.unpack(gathered, self._world_size, self._layout, self._value_dtype)
@@ -119,7 +127,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         record = self.registry.record(name, tuple(tensor.shape))
         plan = plan_tensor(
             name, tensor.numel(), tensor.is_floating_point(), self.config, world_size=world_size,
-            step=record.steps, value_itemsize=torch.empty(0, dtype=wire_dtype).element_size(),
+            step=record.steps, value_itemsize=_dtype_token(wire_dtype).element_size(),
             grad_itemsize=tensor.element_size(),
         )
         dense_nbytes = tensor.numel() * tensor.element_size()
@@ -137,13 +145,13 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         assert plan.k is not None
         residual, momentum_buffer = self._state_buffers(name, record, tensor)
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        layout = PayloadLayout(plan.k, torch.empty(0, dtype=wire_dtype).element_size())
+        layout = PayloadLayout(plan.k, _dtype_token(wire_dtype).element_size())
         kernels = self._kernels(tensor)
         if kernels is not None:
             payload = torch.empty(layout.nbytes, dtype=torch.uint8)
             kernels.compress(
                 residual, flat, momentum_buffer, self.config.momentum, plan.k, layout.values_offset, payload,
-                torch.empty(0, dtype=wire_dtype), sample_size(plan.k, flat.numel()), record.steps,
+                _dtype_token(wire_dtype), sample_size(plan.k, flat.numel()), record.steps,
             )
         else:
             indices, values = ops.compensate_and_select(
