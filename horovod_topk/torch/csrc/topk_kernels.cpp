@@ -99,6 +99,17 @@ void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict_
 }
 
 #if defined(__x86_64__)
+// Record the entries of block [b, b + 32) whose bits are set in ``mask`` (one bit per element).
+inline void add_hits(const float* r, int64_t b, unsigned mask, Candidates<float>& out) {
+  if (!mask) return;
+  out.reserve_more(32);
+  do {
+    const int j = __builtin_ctz(mask);
+    out.add(b + j, r[b + j]);
+    mask &= mask - 1;
+  } while (mask);
+}
+
 // The common case (float32 residual and gradient, no momentum) with SIMD: compare the magnitudes of a block at once
 // and walk only the set bits of the hit mask, so the cost of the collection grows with the number of candidates,
 // not with the number of elements. AVX2 (8 floats) when the CPU has it, SSE2 (4 floats, every x86-64) otherwise.
@@ -121,14 +132,7 @@ __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* 
       mask |= static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_GE_OQ)))
               << (8 * q);
     }
-    if (mask) {
-      out.reserve_more(B);
-      do {
-        const int j = __builtin_ctz(mask);
-        out.add(b + j, r[b + j]);
-        mask &= mask - 1;
-      } while (mask);
-    }
+    add_hits(r, b, mask, out);
   }
   done = b;
 }
@@ -151,14 +155,7 @@ void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float
       }
       mask |= static_cast<unsigned>(_mm_movemask_ps(_mm_cmpge_ps(_mm_andnot_ps(sign, v[q]), t))) << (4 * q);
     }
-    if (mask) {
-      out.reserve_more(B);
-      do {
-        const int j = __builtin_ctz(mask);
-        out.add(b + j, r[b + j]);
-        mask &= mask - 1;
-      } while (mask);
-    }
+    add_hits(r, b, mask, out);
   }
   done = b;
 }
