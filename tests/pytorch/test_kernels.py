@@ -60,6 +60,49 @@ def test_exactly_k_no_mass_lost_and_the_exact_top_k(kind, ratio):
     assert info[2] >= 1
 
 
+def test_a_misleading_sample_rescans_and_puts_the_unsent_candidates_back():
+    """Large values exactly where the kernel samples (runs of 16 at a fixed stride): the first threshold is far too
+    high, the rescan finds ~2k candidates for k = 1000, and the ~1k candidates not sent go back to the residual."""
+    n, k, sample, seed = 100_000, 1000, 2048, 1
+    runs = sample // 16
+    stride = (n // runs) // 16 * 16
+    start = (seed % (stride // 16)) * 16
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-3
+    sampled = torch.cat([torch.arange(b, min(b + 16, n)) for b in range(start, n, stride)])
+    grad[sampled] = 10.0 + torch.rand(sampled.numel(), generator=torch.Generator().manual_seed(4))
+    residual = torch.zeros(n)
+    layout = PayloadLayout(k, 4)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    info = K.compress(residual, grad.clone(), None, 0.0, k, layout.values_offset, payload, torch.empty(0), sample,
+                      seed)
+    assert info[2] >= 2, f"no rescan happened ({info}): the test no longer covers that path"
+    indices, values = (t[0] for t in ops.unpack(payload, 1, layout, torch.float32))
+    assert indices.numel() == k and torch.all(indices[1:] > indices[:-1])
+    sent = torch.zeros(n)
+    sent[indices.long()] = values
+    torch.testing.assert_close(sent + residual, grad, rtol=0, atol=0)
+    assert set(indices.tolist()) == set(torch.topk(grad.abs(), k).indices.tolist())
+
+
+@pytest.mark.parametrize("distinct", [1, 3, 700])
+def test_ties_at_the_kth_magnitude_give_exactly_k(distinct):
+    """Few distinct magnitudes (e.g. quantized gradients): the radix selection ends on a bucket of equal keys."""
+    n, k = 20_000, 500
+    levels = torch.arange(1, distinct + 1, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    grad = levels[torch.randint(0, distinct, (n,), generator=gen)] * torch.where(
+        torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    residual = torch.zeros(n)
+    indices, values, _ = _compress(residual, grad.clone(), k)
+    assert indices.numel() == k and len(set(indices.tolist())) == k
+    sent = torch.zeros(n)
+    sent[indices.long()] = values
+    torch.testing.assert_close(sent + residual, grad, rtol=0, atol=0)
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[indices.long()] = True
+    assert grad.abs()[chosen].min() >= grad.abs()[~chosen].max()
+
+
 def test_float16_wire_keeps_the_rounding_in_the_residual():
     n, k = 50_000, 500
     grad = torch.randn(n) * 3

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -50,11 +51,17 @@ struct Candidates {
     value[static_cast<size_t>(count)] = v;
     ++count;
   }
+  // A candidate leaves the residual as it is recorded (the line is in cache now): after the selection only the
+  // few candidates that were not sent are written back, instead of a cache-missing write per sent entry.
+  void take(R* r, int64_t i) {
+    add(i, r[i]);
+    r[i] = R(0);
+  }
+  void give_back(R* r, int64_t j) const { r[index[static_cast<size_t>(j)]] = value[static_cast<size_t>(j)]; }
 };
 
-// One pass over r (and g, u): optionally compensate, and record every entry with |r| >= thr with its value while
-// it is in cache (later steps never read r at random places; they only write the k selected entries). The
-// gradient is only read: three memory streams, like r += g.
+// One pass over r (and g, u): optionally compensate (and zero the gradient just consumed), and move every entry
+// with |r| >= thr out of the residual into the candidate list while it is in cache.
 template <typename R, typename G>
 void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict__ u, R m, int64_t n, R thr,
                             bool compensate, Candidates<R>& out) {
@@ -80,7 +87,7 @@ void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict_
     }
     if (mx >= thr) {
       for (int64_t j = 0; j < B; ++j)
-        if (std::fabs(r[b + j]) >= thr) out.add(b + j, r[b + j]);
+        if (std::fabs(r[b + j]) >= thr) out.take(r, b + j);
     }
   }
   out.reserve_more(B);
@@ -94,18 +101,18 @@ void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict_
       r[b] += add;
       g[b] = G(0);
     }
-    if (std::fabs(r[b]) >= thr) out.add(b, r[b]);
+    if (std::fabs(r[b]) >= thr) out.take(r, b);
   }
 }
 
 #if defined(__x86_64__)
-// Record the entries of block [b, b + 32) whose bits are set in ``mask`` (one bit per element).
-inline void add_hits(const float* r, int64_t b, unsigned mask, Candidates<float>& out) {
-  if (!mask) return;
+// Record the entries of block [b, b + 32) whose bits are set in ``mask`` (one bit per element); ``v`` holds the
+// block's compensated values (the residual itself already has zeros there).
+inline void add_hits(const float* v, int64_t b, unsigned mask, Candidates<float>& out) {
   out.reserve_more(32);
   do {
     const int j = __builtin_ctz(mask);
-    out.add(b + j, r[b + j]);
+    out.add(b + j, v[j]);
     mask &= mask - 1;
   } while (mask);
 }
@@ -126,13 +133,17 @@ __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* 
       v[q] = _mm256_loadu_ps(r + b + 8 * q);
       if (compensate) {
         v[q] = _mm256_add_ps(v[q], _mm256_loadu_ps(g + b + 8 * q));
-        _mm256_storeu_ps(r + b + 8 * q, v[q]);
         _mm256_storeu_ps(g + b + 8 * q, _mm256_setzero_ps());
       }
-      mask |= static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_GE_OQ)))
-              << (8 * q);
+      const __m256 hit = _mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_GE_OQ);
+      _mm256_storeu_ps(r + b + 8 * q, _mm256_andnot_ps(hit, v[q]));  // candidates leave the residual now
+      mask |= static_cast<unsigned>(_mm256_movemask_ps(hit)) << (8 * q);
     }
-    add_hits(r, b, mask, out);
+    if (mask) {
+      alignas(32) float values[32];
+      for (int q = 0; q < 4; ++q) _mm256_store_ps(values + 8 * q, v[q]);
+      add_hits(values, b, mask, out);
+    }
   }
   done = b;
 }
@@ -150,12 +161,17 @@ void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float
       v[q] = _mm_loadu_ps(r + b + 4 * q);
       if (compensate) {
         v[q] = _mm_add_ps(v[q], _mm_loadu_ps(g + b + 4 * q));
-        _mm_storeu_ps(r + b + 4 * q, v[q]);
         _mm_storeu_ps(g + b + 4 * q, _mm_setzero_ps());
       }
-      mask |= static_cast<unsigned>(_mm_movemask_ps(_mm_cmpge_ps(_mm_andnot_ps(sign, v[q]), t))) << (4 * q);
+      const __m128 hit = _mm_cmpge_ps(_mm_andnot_ps(sign, v[q]), t);
+      _mm_storeu_ps(r + b + 4 * q, _mm_andnot_ps(hit, v[q]));  // candidates leave the residual now
+      mask |= static_cast<unsigned>(_mm_movemask_ps(hit)) << (4 * q);
     }
-    add_hits(r, b, mask, out);
+    if (mask) {
+      alignas(16) float values[16];
+      for (int q = 0; q < 4; ++q) _mm_store_ps(values + 4 * q, v[q]);
+      add_hits(values, b, mask, out);
+    }
   }
   done = b;
 }
@@ -172,7 +188,7 @@ void compensate_and_collect<float, float>(float* __restrict__ r, float* __restri
       }
       if (std::fabs(r[i]) >= thr) {
         out.reserve_more(1);
-        out.add(i, r[i]);
+        out.take(r, i);
       }
     }
     return;
@@ -189,10 +205,62 @@ void compensate_and_collect<float, float>(float* __restrict__ r, float* __restri
       r[b] += g[b];
       g[b] = 0.0f;
     }
-    if (std::fabs(r[b]) >= thr) out.add(b, r[b]);
+    if (std::fabs(r[b]) >= thr) out.take(r, b);
   }
 }
 #endif
+
+// Magnitudes compared as integers: the bits of |x| order like |x| for every non-NaN float (and NaNs above +inf),
+// which lets the selection below bucket them by their leading bits.
+template <typename R>
+struct MagnitudeKey;
+template <>
+struct MagnitudeKey<float> { using type = uint32_t; };
+template <>
+struct MagnitudeKey<double> { using type = uint64_t; };
+
+template <typename R>
+inline typename MagnitudeKey<R>::type magnitude_key(R x) {
+  typename MagnitudeKey<R>::type bits;
+  const R a = std::fabs(x);
+  std::memcpy(&bits, &a, sizeof(bits));
+  return bits;
+}
+
+// The k-th largest of ``keys`` (1 <= k <= size; the vector is used as scratch). Radix selection: a histogram of the
+// keys' range in 2048 buckets finds the bucket that holds the k-th; only that bucket's keys are kept and the
+// search goes on inside it. About two passes over the candidates, where nth_element makes several with
+// unpredictable branches (it was a quarter of compress's time on 25M parameters).
+template <typename Key>
+Key kth_largest(std::vector<Key>& keys, int64_t k) {
+  constexpr int BUCKETS = 2048;
+  thread_local std::vector<int64_t> hist(BUCKETS);
+  while (true) {
+    const int64_t n = static_cast<int64_t>(keys.size());
+    if (n <= 64) {
+      std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<Key>());
+      return keys[static_cast<size_t>(k - 1)];
+    }
+    Key lo = keys[0], hi = keys[0];
+    for (const Key key : keys) {
+      lo = key < lo ? key : lo;
+      hi = key > hi ? key : hi;
+    }
+    if (lo == hi) return lo;
+    unsigned shift = 0;
+    while (((hi - lo) >> shift) >= static_cast<Key>(BUCKETS)) ++shift;
+    std::fill(hist.begin(), hist.end(), 0);
+    for (const Key key : keys) ++hist[static_cast<size_t>((key - lo) >> shift)];
+    int64_t above = 0;
+    Key bucket = static_cast<Key>((hi - lo) >> shift);
+    while (above + hist[static_cast<size_t>(bucket)] < k) above += hist[static_cast<size_t>(bucket--)];
+    size_t kept = 0;
+    for (const Key key : keys)
+      if (((key - lo) >> shift) == bucket) keys[kept++] = key;
+    keys.resize(kept);
+    k -= above;
+  }
+}
 
 // The threshold that ~1.3 k + 8 of n values exceed (CANDIDATE_MARGIN in core/policy.py), estimated from a
 // sample of their magnitudes: enough margin that the candidates fall short of k only rarely (then the caller
@@ -227,21 +295,25 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   const R m = static_cast<R>(momentum);
 
   // 1. threshold from a strided sample of the compensated magnitudes (nothing written yet), taken as runs of 16
-  //    neighbours so that each cache line fetched yields 16 samples instead of one.
+  //    neighbours that start on a multiple of 16 (one cache line of float32 for torch's 64-byte aligned buffers),
+  //    so that each line fetched yields 16 samples; the runs are far apart, so lines are prefetched well ahead.
   constexpr int64_t RUN = 16;
+  constexpr int64_t AHEAD = 16;
   const int64_t s = std::max<int64_t>(1, std::min<int64_t>(sample_size, n));
   const int64_t runs = std::max<int64_t>(1, s / RUN);
-  const int64_t stride = std::max<int64_t>(RUN, n / runs);
-  const int64_t start = (stride > RUN) ? (seed % (stride - RUN + 1)) : 0;
+  const int64_t stride = std::max<int64_t>(RUN, (n / runs) / RUN * RUN);
+  const int64_t start = (stride > RUN) ? (seed % (stride / RUN)) * RUN : 0;
   thread_local std::vector<R> sample;
   sample.clear();
-  sample.reserve(static_cast<size_t>(runs * RUN));
+  sample.reserve(static_cast<size_t>(runs * RUN + RUN));
   for (int64_t b = start; b < n; b += stride) {
-    const int64_t ahead = b + 8 * stride;  // the runs are far apart: prefetch a few ahead to hide the latency
+    const int64_t ahead = b + AHEAD * stride;
     if (ahead < n) {
-      __builtin_prefetch(r + ahead);
-      __builtin_prefetch(g + ahead);
-      if (u != nullptr) __builtin_prefetch(u + ahead);
+      for (int64_t line = 0; line < RUN * static_cast<int64_t>(sizeof(R)); line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(r + ahead) + line);
+        __builtin_prefetch(reinterpret_cast<const char*>(g + ahead) + line * static_cast<int64_t>(sizeof(G)) / static_cast<int64_t>(sizeof(R)));
+        if (u != nullptr) __builtin_prefetch(reinterpret_cast<const char*>(u + ahead) + line);
+      }
     }
     for (int64_t i = b; i < std::min<int64_t>(b + RUN, n); ++i) {
       R add = static_cast<R>(g[i]);
@@ -251,62 +323,70 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   }
   R thr = (k >= n) ? R(0) : quantile_threshold<R>(sample, n, k);  // every entry goes when k == n
 
-  // 2. one fused pass; 3. if too few candidates, lower the threshold and rescan (no second compensation)
-  // Per-thread buffers reused across calls: large fresh vectors every call would cost page faults each time.
+  // 2. one fused pass; 3. if too few candidates, put them back, lower the threshold and rescan (no second
+  //    compensation). Per-thread buffers reused across calls: large fresh vectors every call would cost page
+  //    faults each time.
   thread_local Candidates<R> cand;
-  thread_local std::vector<R> mags;
   cand.reset(2 * k + 64);
   compensate_and_collect<R, G>(r, g, u, m, n, thr > R(0) ? thr : R(0), true, cand);
   int64_t scans = 1;
   const int64_t first_count = cand.count;
   for (int attempt = 0; cand.count < k && attempt < 8 && thr > R(0); ++attempt, ++scans) {
     thr = (attempt < 7) ? thr * R(0.7) : R(0);
+    for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
     cand.count = 0;
     compensate_and_collect<R, G>(r, g, u, m, n, thr, false, cand);
   }
   if (cand.count < k) {  // still short at threshold 0: only NaNs (they compare false) can do that; take every index
+    for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
     cand.reset(n);
-    for (int64_t i = 0; i < n; ++i) cand.add(i, r[i]);
+    for (int64_t i = 0; i < n; ++i) cand.take(r, i);
   }
-  int64_t count = cand.count;
-  // 4. exactly k, keeping the ascending order the scan produced (a cache-friendly scatter later): the k-th
-  //    largest candidate magnitude, found with nth_element on a copy, then every candidate above it and as many
-  //    equal to it as needed.
+  const int64_t count = cand.count;
+  // 4. exactly k, keeping the ascending order the scan produced (a cache-friendly scatter later): every candidate
+  //    above the k-th largest magnitude and as many equal to it as needed; the others go back to the residual.
   if (count > k) {
-    mags.resize(static_cast<size_t>(count));
-    for (int64_t i = 0; i < count; ++i) mags[i] = std::fabs(cand.value[i]);
-    std::nth_element(mags.begin(), mags.begin() + (k - 1), mags.end(), std::greater<R>());
-    const R kth = mags[k - 1];
+    using Key = typename MagnitudeKey<R>::type;
+    thread_local std::vector<Key> keys;
+    keys.resize(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i) keys[i] = magnitude_key(cand.value[i]);
+    const Key kth = kth_largest(keys, k);
     int64_t above = 0;
-    for (int64_t i = 0; i < count; ++i) above += (std::fabs(cand.value[i]) > kth);
+    for (int64_t i = 0; i < count; ++i) above += (magnitude_key(cand.value[i]) > kth);
     int64_t ties_wanted = k - above, kept = 0;
     for (int64_t i = 0; i < count; ++i) {
-      const R a = std::fabs(cand.value[i]);
+      const Key a = magnitude_key(cand.value[i]);
       if (a > kth || (a == kth && ties_wanted-- > 0)) {
         cand.index[kept] = cand.index[i];
         cand.value[kept] = cand.value[i];
         ++kept;
+      } else {
+        cand.give_back(r, i);
       }
     }
     cand.count = kept;
   }
 
-  // 5. payload + residual update (rounding of the wire dtype stays in the residual) + momentum-factor masking
+  // 5. payload; the residual of a sent entry is 0 already, unless the wire dtype rounds (float16/bfloat16 keep
+  //    the rounding error); momentum-factor masking.
   uint8_t* base = payload.data_ptr<uint8_t>();
   std::memset(base, 0, static_cast<size_t>(payload.numel()));
   std::memcpy(base, cand.index.data(), static_cast<size_t>(k) * sizeof(int32_t));
   W* values = reinterpret_cast<W*>(base + values_offset);
+  constexpr bool rounds = !std::is_same<W, R>::value;
   for (int64_t i = 0; i < k; ++i) {
-    if (i + 32 < k) {
-      __builtin_prefetch(r + cand.index[i + 32], 1);
-      if (u != nullptr) __builtin_prefetch(u + cand.index[i + 32], 1);
-    }
-    const int32_t idx = cand.index[i];
     const R v = cand.value[i];
     const W w = static_cast<W>(v);
     values[i] = w;
-    r[idx] = v - static_cast<R>(w);
-    if (u != nullptr) u[idx] = R(0);
+    if (rounds || u != nullptr) {
+      if (i + 32 < k) {
+        if (rounds) __builtin_prefetch(r + cand.index[i + 32], 1);
+        if (u != nullptr) __builtin_prefetch(u + cand.index[i + 32], 1);
+      }
+      const int32_t idx = cand.index[i];
+      if (rounds) r[idx] = v - static_cast<R>(w);
+      if (u != nullptr) u[idx] = R(0);
+    }
   }
   return {first_count, count, scans};
 }
