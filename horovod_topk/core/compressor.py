@@ -158,7 +158,8 @@ class TopKEFBase(abc.ABC, Generic[R]):
 
         ``bytes_sent`` is what this rank handed to collectives (payloads of compressed tensors, full size of the
         dense ones); ``bytes_dense`` what plain Horovod would have handed over for the same tensors and steps;
-        ``compression_ratio`` = bytes_dense / bytes_sent; ``residual_norm`` the L2 norm over all residuals.
+        ``compression_ratio`` = bytes_dense / bytes_sent; ``residual_norm`` the L2 norm over all residuals;
+        ``nonfinite_steps`` how many (tensor, step) pairs had a NaN/Inf gradient here (sent as such, residual kept).
         """
         self._refresh_counters()
         steps, sent, dense = self.registry.totals()
@@ -172,4 +173,5 @@ class TopKEFBase(abc.ABC, Generic[R]):
             "residual_norm": math.sqrt(squared),
             "tensors_compressed": compressed,
             "tensors_dense": len(self.registry) - compressed,
+            "nonfinite_steps": sum(r.nonfinite_steps for _, r in self.registry),
         }

@@ -33,6 +33,8 @@ class TensorRecord(Generic[R]):
     bytes_sent: int = 0
     #: Bytes a dense allreduce would have been handed for the same steps: the baseline of the compression ratio.
     bytes_dense: int = 0
+    #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched.
+    nonfinite_steps: int = 0
 
     @property
     def numel(self) -> int:
@@ -90,6 +92,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "steps": rec.steps,
                     "bytes_sent": rec.bytes_sent,
                     "bytes_dense": rec.bytes_dense,
+                    "nonfinite_steps": rec.nonfinite_steps,
                 }
                 for name, rec in sorted(self.records.items())
             },
@@ -110,5 +113,6 @@ class ErrorFeedbackRegistry(Generic[R]):
                 steps=int(entry.get("steps", 0)),
                 bytes_sent=int(entry.get("bytes_sent", 0)),
                 bytes_dense=int(entry.get("bytes_dense", 0)),
+                nonfinite_steps=int(entry.get("nonfinite_steps", 0)),
             )
         self.records = records

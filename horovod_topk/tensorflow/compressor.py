@@ -4,7 +4,7 @@ Same design as the PyTorch one (see horovod_topk.core.pending): ``compress`` mar
 :mod:`horovod_topk.tensorflow.routing` calls :meth:`TopKEF.start_reduction` where Horovod launches its allreduce.
 Horovod runs that inside a ``tf.function``, so the state lives in ``tf.Variable``s created once per tensor (under
 ``tf.init_scope``, i.e. outside the traced graph) and updated by ops in the graph: the residual, and an int64
-counter vector (steps, bytes sent, bytes dense) that ``stats()`` reads back.
+counter vector (steps, bytes sent, bytes dense, non-finite steps) that ``stats()`` reads back.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class TopKEF(TopKEFBase[Any]):
         if self.config.momentum:
             raise ValueError("horovod-topk: momentum correction is not supported by the TensorFlow TopKEF yet "
                              "(PyTorch only)")
-        #: Per tensor name: the residual variable and the (steps, bytes_sent, bytes_dense) counter variable.
+        #: Per tensor name: the residual variable and the counter variable (see _counter_values).
         self._residual_vars: Dict[str, tf.Variable] = {}
         self._counter_vars: Dict[str, tf.Variable] = {}
 
@@ -90,14 +90,15 @@ class TopKEF(TopKEFBase[Any]):
         dense_nbytes = numel * tensor.dtype.size
         if not plan.compressed:
             pending.route = "dense"
-            counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes], tf.int64))
+            counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes, 0], tf.int64))
             return None
 
         pending.route = "topk"
         assert plan.k is not None
         residual = self._residual(name, record, numel, ops.residual_dtype(tensor.dtype))
         samples = sample_size(plan.k, numel) if self.config.selector == "sampled" else 0
-        indices, values, new_residual = ops.compensate_and_select(tensor, residual, plan.k, wire_dtype, samples)
+        # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
+        indices, values, new_residual, finite = ops.error_feedback_step(tensor, residual, plan.k, wire_dtype, samples)
         layout = PayloadLayout(plan.k, wire_dtype.size)
         with tf.control_dependencies([residual.assign(new_residual)]):
             payload = ops.pack(indices, values, layout)
@@ -106,7 +107,8 @@ class TopKEF(TopKEFBase[Any]):
             tf.debugging.assert_equal(
                 tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(name, world_size)
             ),
-            counters.assign_add(tf.constant([1, layout.nbytes, dense_nbytes], tf.int64)),
+            counters.assign_add(tf.stack([tf.constant(1, tf.int64), tf.constant(layout.nbytes, tf.int64),
+                                          tf.constant(dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64)])),
         ]
         with tf.control_dependencies(checks):
             all_indices, all_values = ops.unpack(gathered, world_size, layout, wire_dtype)
@@ -133,16 +135,23 @@ class TopKEF(TopKEFBase[Any]):
         var = self._counter_vars.get(name)
         if var is None:
             with tf.init_scope():
-                var = tf.Variable([record.steps, record.bytes_sent, record.bytes_dense], dtype=tf.int64,
-                                  trainable=False, name="topk_counters")
+                var = tf.Variable(self._counter_values(record), dtype=tf.int64, trainable=False,
+                                  name="topk_counters")
             self._counter_vars[name] = var
         return var
+
+    @staticmethod
+    def _counter_values(record: TensorRecord[Any]) -> list:
+        """The counter variable's layout: (steps, bytes sent, bytes dense, non-finite steps)."""
+        return [record.steps, record.bytes_sent, record.bytes_dense, record.nonfinite_steps]
 
     def _refresh_counters(self) -> None:
         for name, var in self._counter_vars.items():
             record = self.registry.records.get(name)
             if record is not None:
-                record.steps, record.bytes_sent, record.bytes_dense = (int(v) for v in var.numpy())
+                record.steps, record.bytes_sent, record.bytes_dense, record.nonfinite_steps = (
+                    int(v) for v in var.numpy()
+                )
 
     def _after_load(self) -> None:
         for name in set(self._counter_vars) - set(self.registry.records):  # not in the loaded state: start over
@@ -151,7 +160,7 @@ class TopKEF(TopKEFBase[Any]):
                 self._residual_vars[name].assign(tf.zeros_like(self._residual_vars[name]))
         for name, record in self.registry.records.items():
             if name in self._counter_vars:
-                self._counter_vars[name].assign([record.steps, record.bytes_sent, record.bytes_dense])
+                self._counter_vars[name].assign(self._counter_values(record))
             if name in self._residual_vars and record.residual is not None:
                 self._residual_vars[name].assign(record.residual)
                 record.residual = self._residual_vars[name]

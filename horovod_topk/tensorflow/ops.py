@@ -13,7 +13,16 @@ import tensorflow as tf
 from ..core.payload import PayloadLayout
 from ..core.policy import CANDIDATE_MARGIN
 
-__all__ = ["residual_dtype", "sampled_top_k_indices", "compensate_and_select", "pack", "unpack", "scatter_sum"]
+__all__ = [
+    "residual_dtype",
+    "sampled_top_k_indices",
+    "compensate_and_select",
+    "compensate_nonfinite",
+    "error_feedback_step",
+    "pack",
+    "unpack",
+    "scatter_sum",
+]
 
 
 def residual_dtype(grad_dtype: tf.DType) -> tf.DType:
@@ -65,6 +74,35 @@ def compensate_and_select(
         compensated, indices[:, None], picked - tf.cast(values, compensated.dtype)
     )
     return indices, values, new_residual
+
+
+def compensate_nonfinite(
+    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType
+) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The step of a gradient with NaN/Inf entries (same rule as the PyTorch kernel): those entries never enter
+    the residual (a NaN there would never be sent nor leave) and are what is sent -- the first k of them, the
+    other slots repeating the first, so every rank's average turns non-finite there as with a dense allreduce --
+    while the finite entries are compensated into the residual and wait for later steps."""
+    flat = tf.cast(tf.reshape(grad, [-1]), residual.dtype)
+    finite = tf.math.is_finite(flat)
+    new_residual = residual + tf.where(finite, flat, tf.zeros_like(flat))
+    bad = tf.cast(tf.reshape(tf.where(tf.logical_not(finite)), [-1]), tf.int32)
+    indices = tf.reshape(tf.concat([bad, tf.fill([k], bad[0])], axis=0)[:k], [k])
+    return indices, tf.cast(tf.gather(flat, indices), wire_dtype), new_residual
+
+
+def error_feedback_step(
+    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType, sample_size: int = 0
+) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """compensate_and_select, or compensate_nonfinite when the gradient has a NaN/Inf; the 4th output says which
+    (True: the gradient was finite)."""
+    finite = tf.reduce_all(tf.math.is_finite(grad))
+    indices, values, new_residual = tf.cond(
+        finite,
+        lambda: compensate_and_select(grad, residual, k, wire_dtype, sample_size),
+        lambda: compensate_nonfinite(grad, residual, k, wire_dtype),
+    )
+    return indices, values, new_residual, finite
 
 
 def _bytes_of(x: tf.Tensor) -> tf.Tensor:

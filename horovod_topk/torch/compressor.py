@@ -137,8 +137,11 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             pending.route = "dense"
             record.bytes_sent += dense_nbytes
             if record.residual is not None:  # leftovers of earlier compressed steps travel now: nothing is lost
-                tensor.add_(record.residual.to(tensor.dtype).view(tensor.shape))
-                record.residual.zero_()
+                if bool(torch.isfinite(tensor).all()):
+                    tensor.add_(record.residual.to(tensor.dtype).view(tensor.shape))
+                    record.residual.zero_()
+                else:  # the step will be skipped (AMP) or is lost anyway: keep the leftovers for a later step
+                    record.nonfinite_steps += 1
             return None
 
         pending.route = "topk"
@@ -147,17 +150,26 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         layout = PayloadLayout(plan.k, _dtype_token(wire_dtype).element_size())
         kernels = self._kernels(tensor)
+        # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer,
+        # on both paths: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
         if kernels is not None:
             payload = torch.empty(layout.nbytes, dtype=torch.uint8)
-            kernels.compress(
+            first_count = kernels.compress(
                 residual, flat, momentum_buffer, self.config.momentum, plan.k, layout.values_offset, payload,
                 _dtype_token(wire_dtype), sample_size(plan.k, flat.numel()), record.steps,
-            )
+            )[0]
+            record.nonfinite_steps += first_count < 0
         else:
-            indices, values = ops.compensate_and_select(
+            selection = ops.compensate_nonfinite(
                 flat, residual, plan.k, wire_dtype, momentum_buffer, self.config.momentum
             )
-            payload = ops.pack(indices, values, layout)
+            if selection is None:
+                selection = ops.compensate_and_select(
+                    flat, residual, plan.k, wire_dtype, momentum_buffer, self.config.momentum
+                )
+            else:
+                record.nonfinite_steps += 1
+            payload = ops.pack(*selection, layout)
         record.bytes_sent += layout.nbytes
         handle = allgather_async(payload, name=allgather_name(name), process_set=process_set)
         return TopKHandle(

@@ -1,6 +1,7 @@
 """The tensor math of TopKEF for PyTorch, as pure functions (testable without Horovod or a process group).
 
 compensate_and_select  residual += grad; pick the k largest |residual|; keep what is not sent in the residual
+compensate_nonfinite   the same step for a gradient with NaN/Inf entries (they are sent, never kept)
 pack / unpack          the core payload layout (core.payload) as a uint8 buffer and back, without copies
 scatter_sum            the dense sum of all ranks' payloads: one index_add_ over the P*k entries
 """
@@ -12,7 +13,7 @@ import torch
 
 from ..core.payload import PayloadLayout
 
-__all__ = ["residual_dtype", "compensate_and_select", "pack", "unpack", "scatter_sum"]
+__all__ = ["residual_dtype", "compensate_and_select", "compensate_nonfinite", "pack", "unpack", "scatter_sum"]
 
 
 def residual_dtype(grad_dtype: torch.dtype) -> torch.dtype:
@@ -54,6 +55,37 @@ def compensate_and_select(
     if momentum_buffer is not None:
         momentum_buffer[indices] = 0
     return indices.to(torch.int32), values
+
+
+def compensate_nonfinite(
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    k: int,
+    wire_dtype: torch.dtype,
+    momentum_buffer: Optional[torch.Tensor] = None,
+    momentum: float = 0.0,
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """None (and nothing touched) when ``grad`` is finite. Otherwise the step of a gradient with NaN/Inf entries,
+    as the fused kernel does it: those entries never enter the residual (a NaN there would never be sent nor
+    leave) and are what is sent (the first k of them; the other slots repeat the first one, and a non-finite value
+    added to itself stays non-finite), so every rank's average turns non-finite there as with a dense allreduce;
+    the finite entries are compensated into the residual (and momentum buffer) and wait for later steps.
+    """
+    flat = grad.reshape(-1)
+    finite = torch.isfinite(flat)
+    if bool(finite.all()):
+        return None
+    clean = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype)).to(residual.dtype)
+    if momentum_buffer is not None:
+        momentum_buffer.copy_(torch.where(finite, momentum_buffer * momentum + clean, momentum_buffer))
+        residual.add_(torch.where(finite, momentum_buffer, torch.zeros((), dtype=residual.dtype)))
+    else:
+        residual.add_(clean)
+    bad = (~finite).nonzero().reshape(-1)
+    indices = bad[:k]
+    if indices.numel() < k:
+        indices = torch.cat([indices, indices[:1].expand(k - indices.numel())])
+    return indices.to(torch.int32), flat[indices].to(residual.dtype).to(wire_dtype)
 
 
 def pack(indices: torch.Tensor, values: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:

@@ -166,3 +166,68 @@ def test_decompress_refuses_out_of_range_indices():
     bad = ops.pack(torch.tensor([10], dtype=torch.int32), torch.tensor([1.0]), layout)
     with pytest.raises(RuntimeError, match="out of range"):
         K.decompress(bad, 1, 1, layout.values_offset, layout.nbytes, torch.empty(0), 1.0, torch.zeros(5))
+
+
+def _nonfinite_gradient(bad, n=10_000):
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    grad[[17, 5000]] = bad
+    return grad
+
+
+def _check_nonfinite_step(bad, grad, residual, before, momentum_buffer, momentum_before, indices, values, k):
+    finite = torch.isfinite(grad)
+    expected_u = torch.where(finite, momentum_before * 0.9 + torch.where(finite, grad, 0), momentum_before)
+    torch.testing.assert_close(momentum_buffer, expected_u, rtol=0, atol=0)
+    torch.testing.assert_close(residual, torch.where(finite, before + expected_u, before), rtol=0, atol=0)
+    assert torch.isfinite(residual).all() and torch.isfinite(momentum_buffer).all()
+    assert indices[:2].tolist() == [17, 5000] and set(indices.tolist()) == {17, 5000} and indices.numel() == k
+    assert not torch.isfinite(values.float()).any()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("wire", [torch.float32, torch.float16])
+def test_nonfinite_gradient_entries_are_sent_and_never_enter_the_residual(bad, wire):
+    n, k = 10_000, 100
+    grad = _nonfinite_gradient(bad, n)
+    residual, momentum_buffer = torch.randn(n), torch.randn(n)
+    before, momentum_before = residual.clone(), momentum_buffer.clone()
+    buffer = grad.clone()
+    indices, values, info = _compress(residual, buffer, k, wire=wire, momentum_buffer=momentum_buffer, momentum=0.9)
+    assert info[0] == -1 and info[1] == 2
+    assert torch.all(buffer == 0), "decompress adds into the buffer: it must be zeroed"
+    _check_nonfinite_step(bad, grad, residual, before, momentum_buffer, momentum_before, indices, values, k)
+    out = torch.zeros(n)
+    layout = PayloadLayout(k, torch.empty(0, dtype=wire).element_size())
+    K.decompress(ops.pack(indices, values, layout), 1, k, layout.values_offset, layout.nbytes,
+                 torch.empty(0, dtype=wire), 1.0, out)
+    assert not torch.isfinite(out[[17, 5000]]).any() and torch.isfinite(out[:17]).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_simd_path_leaves_the_residual_untouched_at_nonfinite_entries(bad):
+    """No momentum: float32 goes through the vector loop, which hands a block with NaN/Inf to the scalar step."""
+    n, k = 10_000, 100
+    grad = _nonfinite_gradient(bad, n)
+    residual = torch.randn(n)
+    before = residual.clone()
+    indices, values, info = _compress(residual, grad.clone(), k)
+    finite = torch.isfinite(grad)
+    assert info[0] == -1
+    torch.testing.assert_close(residual, torch.where(finite, before + torch.where(finite, grad, 0), before),
+                               rtol=0, atol=0)
+    assert set(indices.tolist()) == {17, 5000}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_the_reference_path_handles_nonfinite_entries_like_the_kernel(bad):
+    n, k = 10_000, 100
+    grad = _nonfinite_gradient(bad, n)
+    residual, momentum_buffer = torch.randn(n), torch.randn(n)
+    before, momentum_before = residual.clone(), momentum_buffer.clone()
+    indices, values = ops.compensate_nonfinite(grad, residual, k, torch.float32, momentum_buffer, 0.9)
+    _check_nonfinite_step(bad, grad, residual, before, momentum_buffer, momentum_before, indices, values, k)
+    untouched = residual.clone()
+    assert ops.compensate_nonfinite(torch.randn(n), residual, k, torch.float32) is None
+    assert torch.equal(residual, untouched)
+    few = ops.compensate_nonfinite(grad, residual, 1, torch.float32)
+    assert few[0].tolist() == [17]

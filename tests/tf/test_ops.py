@@ -88,3 +88,22 @@ def test_sampled_selector_falls_back_when_the_sample_misleads():
     magnitude[7] = 5.0
     chosen = ops.sampled_top_k_indices(tf.constant(magnitude), 3, 64).numpy()
     assert 7 in chosen.tolist() and len(set(chosen.tolist())) == 3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_entries_are_sent_and_never_enter_the_residual(bad):
+    n, k = 5000, 50
+    grad = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    grad[[7, 4000]] = bad
+    residual = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    indices, values, new_residual, finite = ops.error_feedback_step(
+        tf.constant(grad), tf.constant(residual), k, tf.float32, sample_size=1024
+    )
+    assert not bool(finite)
+    ok = np.isfinite(grad)
+    np.testing.assert_array_equal(new_residual.numpy(), np.where(ok, residual + np.where(ok, grad, 0), residual))
+    assert set(indices.numpy().tolist()) == {7, 4000} and indices.numpy()[:2].tolist() == [7, 4000]
+    assert not np.isfinite(values.numpy()).any()
+    _, _, regular, finite = ops.error_feedback_step(tf.constant(np.where(ok, grad, 0)), tf.constant(residual), k,
+                                                    tf.float32)
+    assert bool(finite) and np.isfinite(regular.numpy()).all()

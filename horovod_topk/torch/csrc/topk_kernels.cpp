@@ -60,59 +60,58 @@ struct Candidates {
   void give_back(R* r, int64_t j) const { r[index[static_cast<size_t>(j)]] = value[static_cast<size_t>(j)]; }
 };
 
-// One pass over r (and g, u): optionally compensate (and zero the gradient just consumed), and move every entry
-// with |r| >= thr out of the residual into the candidate list while it is in cache.
+// What one element goes through in the pass: compensate it (r += g, or DGC's u = m u + g; r += u) and zero the
+// gradient entry just consumed, then move it out of the residual into ``out`` if |r| >= thr. A NaN/Inf gradient
+// entry is not added to anything: it goes to ``bad`` and leaves r and u as they were (see compress_impl).
 template <typename R, typename G>
-void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict__ u, R m, int64_t n, R thr,
-                            bool compensate, Candidates<R>& out) {
-  constexpr int64_t B = 16;
-  int64_t b = 0;
-  for (; b + B <= n; b += B) {
-    out.reserve_more(B);
-    R mx = R(0);
-    for (int64_t j = 0; j < B; ++j) {
-      R v = r[b + j];
-      if (compensate) {
-        R add = static_cast<R>(g[b + j]);
-        if (u != nullptr) {
-          add = m * u[b + j] + add;
-          u[b + j] = add;
-        }
-        v += add;
-        r[b + j] = v;
-        g[b + j] = G(0);
+inline void step_one(R* r, G* g, R* u, R m, int64_t i, R thr, bool compensate, Candidates<R>& out,
+                     Candidates<R>& bad) {
+  if (compensate) {
+    const R gv = static_cast<R>(g[i]);
+    g[i] = G(0);
+    if (std::isfinite(gv)) {
+      R add = gv;
+      if (u != nullptr) {
+        add = m * u[i] + add;
+        u[i] = add;
       }
-      const R a = std::fabs(v);
-      mx = mx > a ? mx : a;
-    }
-    if (mx >= thr) {
-      for (int64_t j = 0; j < B; ++j)
-        if (std::fabs(r[b + j]) >= thr) out.take(r, b + j);
+      r[i] += add;
+    } else {
+      bad.reserve_more(1);
+      bad.add(i, gv);
     }
   }
-  out.reserve_more(B);
-  for (; b < n; ++b) {
-    if (compensate) {
-      R add = static_cast<R>(g[b]);
-      if (u != nullptr) {
-        u[b] = m * u[b] + add;
-        add = u[b];
-      }
-      r[b] += add;
-      g[b] = G(0);
-    }
-    if (std::fabs(r[b]) >= thr) out.take(r, b);
+  if (std::fabs(r[i]) >= thr) {
+    out.reserve_more(1);
+    out.take(r, i);
   }
 }
 
+// One pass over r (and g, u): see step_one. The portable version; float32 without momentum has a SIMD one below.
+template <typename R, typename G>
+void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict__ u, R m, int64_t n, R thr,
+                            bool compensate, Candidates<R>& out, Candidates<R>& bad) {
+  for (int64_t i = 0; i < n; ++i) step_one<R, G>(r, g, u, m, i, thr, compensate, out, bad);
+}
+
 #if defined(__x86_64__)
-// Record the entries of block [b, b + 32) whose bits are set in ``mask`` (one bit per element); ``v`` holds the
-// block's compensated values (the residual itself already has zeros there).
-inline void add_hits(const float* v, int64_t b, unsigned mask, Candidates<float>& out) {
+// Record the entries of block [b, b + B) whose bits are set in ``mask`` (one bit per element): ``v`` holds the
+// block's compensated values (the residual itself already has zeros there), ``old`` its residual before. The
+// vector compare counts NaN as a hit (unordered), so a non-finite sum -- a NaN/Inf gradient entry, or an overflow
+// -- arrives here too: it goes to ``bad`` and its residual entry gets its old value back. No extra work per
+// element for that check: it is one more comparison per candidate.
+inline void add_hits(const float* v, const float* old, int64_t b, unsigned mask, Candidates<float>& out,
+                     Candidates<float>& bad, float* r) {
   out.reserve_more(32);
   do {
     const int j = __builtin_ctz(mask);
-    out.add(b + j, v[j]);
+    if (std::isfinite(v[j])) {
+      out.add(b + j, v[j]);
+    } else {
+      r[b + j] = old[j];
+      bad.reserve_more(1);
+      bad.add(b + j, v[j]);
+    }
     mask &= mask - 1;
   } while (mask);
 }
@@ -121,56 +120,63 @@ inline void add_hits(const float* v, int64_t b, unsigned mask, Candidates<float>
 // and walk only the set bits of the hit mask, so the cost of the collection grows with the number of candidates,
 // not with the number of elements. AVX2 (8 floats) when the CPU has it, SSE2 (4 floats, every x86-64) otherwise.
 __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* __restrict__ g, int64_t n,
-                                                   float thr, bool compensate, Candidates<float>& out, int64_t& done) {
+                                                   float thr, bool compensate, Candidates<float>& out,
+                                                   Candidates<float>& bad, int64_t& done) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 t = _mm256_set1_ps(thr);
   constexpr int64_t B = 32;
   int64_t b = 0;
   for (; b + B <= n; b += B) {
-    __m256 v[4];
+    __m256 old[4], v[4];
     unsigned mask = 0;
     for (int q = 0; q < 4; ++q) {
-      v[q] = _mm256_loadu_ps(r + b + 8 * q);
+      old[q] = v[q] = _mm256_loadu_ps(r + b + 8 * q);
       if (compensate) {
         v[q] = _mm256_add_ps(v[q], _mm256_loadu_ps(g + b + 8 * q));
         _mm256_storeu_ps(g + b + 8 * q, _mm256_setzero_ps());
       }
-      const __m256 hit = _mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_GE_OQ);
+      const __m256 hit = _mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_NLT_UQ);  // |v| >= thr, or NaN
       _mm256_storeu_ps(r + b + 8 * q, _mm256_andnot_ps(hit, v[q]));  // candidates leave the residual now
       mask |= static_cast<unsigned>(_mm256_movemask_ps(hit)) << (8 * q);
     }
     if (mask) {
-      alignas(32) float values[32];
-      for (int q = 0; q < 4; ++q) _mm256_store_ps(values + 8 * q, v[q]);
-      add_hits(values, b, mask, out);
+      alignas(32) float values[B], before[B];
+      for (int q = 0; q < 4; ++q) {
+        _mm256_store_ps(values + 8 * q, v[q]);
+        _mm256_store_ps(before + 8 * q, old[q]);
+      }
+      add_hits(values, before, b, mask, out, bad, r);
     }
   }
   done = b;
 }
 
 void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float thr, bool compensate,
-                  Candidates<float>& out, int64_t& done) {
+                  Candidates<float>& out, Candidates<float>& bad, int64_t& done) {
   const __m128 sign = _mm_set1_ps(-0.0f);
   const __m128 t = _mm_set1_ps(thr);
   constexpr int64_t B = 16;
   int64_t b = 0;
   for (; b + B <= n; b += B) {
-    __m128 v[4];
+    __m128 old[4], v[4];
     unsigned mask = 0;
     for (int q = 0; q < 4; ++q) {
-      v[q] = _mm_loadu_ps(r + b + 4 * q);
+      old[q] = v[q] = _mm_loadu_ps(r + b + 4 * q);
       if (compensate) {
         v[q] = _mm_add_ps(v[q], _mm_loadu_ps(g + b + 4 * q));
         _mm_storeu_ps(g + b + 4 * q, _mm_setzero_ps());
       }
-      const __m128 hit = _mm_cmpge_ps(_mm_andnot_ps(sign, v[q]), t);
+      const __m128 hit = _mm_cmpnlt_ps(_mm_andnot_ps(sign, v[q]), t);  // |v| >= thr, or NaN
       _mm_storeu_ps(r + b + 4 * q, _mm_andnot_ps(hit, v[q]));  // candidates leave the residual now
       mask |= static_cast<unsigned>(_mm_movemask_ps(hit)) << (4 * q);
     }
     if (mask) {
-      alignas(16) float values[16];
-      for (int q = 0; q < 4; ++q) _mm_store_ps(values + 4 * q, v[q]);
-      add_hits(values, b, mask, out);
+      alignas(16) float values[B], before[B];
+      for (int q = 0; q < 4; ++q) {
+        _mm_store_ps(values + 4 * q, v[q]);
+        _mm_store_ps(before + 4 * q, old[q]);
+      }
+      add_hits(values, before, b, mask, out, bad, r);
     }
   }
   done = b;
@@ -178,35 +184,17 @@ void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float
 
 template <>
 void compensate_and_collect<float, float>(float* __restrict__ r, float* __restrict__ g, float* __restrict__ u,
-                                          float m, int64_t n, float thr, bool compensate, Candidates<float>& out) {
-  if (u != nullptr) {  // momentum correction: the portable loop
-    for (int64_t i = 0; i < n; ++i) {
-      if (compensate) {
-        u[i] = m * u[i] + g[i];
-        r[i] += u[i];
-        g[i] = 0.0f;
-      }
-      if (std::fabs(r[i]) >= thr) {
-        out.reserve_more(1);
-        out.take(r, i);
-      }
-    }
-    return;
-  }
-  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+                                          float m, int64_t n, float thr, bool compensate, Candidates<float>& out,
+                                          Candidates<float>& bad) {
   int64_t b = 0;
-  if (has_avx2)
-    collect_avx2(r, g, n, thr, compensate, out, b);
-  else
-    collect_sse2(r, g, n, thr, compensate, out, b);
-  out.reserve_more(32);
-  for (; b < n; ++b) {
-    if (compensate) {
-      r[b] += g[b];
-      g[b] = 0.0f;
-    }
-    if (std::fabs(r[b]) >= thr) out.take(r, b);
+  if (u == nullptr) {  // momentum correction keeps the portable loop
+    static const bool has_avx2 = __builtin_cpu_supports("avx2");
+    if (has_avx2)
+      collect_avx2(r, g, n, thr, compensate, out, bad, b);
+    else
+      collect_sse2(r, g, n, thr, compensate, out, bad, b);
   }
+  for (; b < n; ++b) step_one<float, float>(r, g, u, m, b, thr, compensate, out, bad);
 }
 #endif
 
@@ -327,17 +315,37 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   //    compensation). Per-thread buffers reused across calls: large fresh vectors every call would cost page
   //    faults each time.
   thread_local Candidates<R> cand;
+  thread_local Candidates<R> bad;
   cand.reset(2 * k + 64);
-  compensate_and_collect<R, G>(r, g, u, m, n, thr > R(0) ? thr : R(0), true, cand);
+  bad.reset(64);
+  compensate_and_collect<R, G>(r, g, u, m, n, thr > R(0) ? thr : R(0), true, cand, bad);
+  if (bad.count > 0) {
+    // A gradient with NaN/Inf entries: those never enter the residual (a NaN there would never be sent, nor
+    // leave), so the pass left r and u as they were at those entries. They are what this rank sends (up to k of
+    // them; the other slots repeat the first, and a non-finite value added to itself stays non-finite): every
+    // rank's average turns non-finite where this one's gradient was, as with a dense allreduce, and an AMP loss
+    // scaler skips the step on every rank alike. The finite entries stay in the residual for later steps.
+    for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
+    uint8_t* base = payload.data_ptr<uint8_t>();
+    std::memset(base, 0, static_cast<size_t>(payload.numel()));
+    int32_t* indices = reinterpret_cast<int32_t*>(base);
+    W* values = reinterpret_cast<W*>(base + values_offset);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t from = j < bad.count ? j : 0;
+      indices[j] = bad.index[static_cast<size_t>(from)];
+      values[j] = static_cast<W>(bad.value[static_cast<size_t>(from)]);
+    }
+    return {-1, bad.count, 1};
+  }
   int64_t scans = 1;
   const int64_t first_count = cand.count;
   for (int attempt = 0; cand.count < k && attempt < 8 && thr > R(0); ++attempt, ++scans) {
     thr = (attempt < 7) ? thr * R(0.7) : R(0);
     for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
     cand.count = 0;
-    compensate_and_collect<R, G>(r, g, u, m, n, thr, false, cand);
+    compensate_and_collect<R, G>(r, g, u, m, n, thr, false, cand, bad);
   }
-  if (cand.count < k) {  // still short at threshold 0: only NaNs (they compare false) can do that; take every index
+  if (cand.count < k) {  // still short at threshold 0: only NaNs in the residual (a loaded state) can do that
     for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
     cand.reset(n);
     for (int64_t i = 0; i < n; ++i) cand.take(r, i);
@@ -435,7 +443,8 @@ void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t v
     default: TORCH_CHECK(false, "horovod-topk: unsupported gradient dtype ", DT);               \
   }
 
-// Returns (candidates of the first scan, candidates kept for selection, scans): how good the estimate was.
+// Returns (candidates of the first scan, candidates kept for selection, scans): how good the estimate was; or
+// (-1, non-finite entries, 1) when the gradient had NaN/Inf and those went out instead (see compress_impl).
 std::vector<int64_t> compress(torch::Tensor residual, torch::Tensor grad, c10::optional<torch::Tensor> momentum_buf, double momentum,
               int64_t k, int64_t values_offset, torch::Tensor payload, torch::Tensor wire_like, int64_t sample_size,
               int64_t seed) {
