@@ -1,0 +1,42 @@
+"""Faults on real Horovod workers (TensorFlow): a non-finite gradient on one rank."""
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from horovod_topk.tensorflow import TopKEF
+
+from .tf_harness import batch, loss_fn, make_variables
+
+
+def test_an_inf_gradient_on_one_rank_reaches_every_rank_and_never_enters_the_residual():
+    v = make_variables()
+    names = sorted(v)
+    compressor = TopKEF(ratio=0.05, min_numel=1000)
+
+    @tf.function
+    def step(x, tokens, y, poison):
+        with tf.GradientTape() as tape:
+            # on rank 1 at the poisoned step, one entry of w1's gradient turns infinite
+            loss = loss_fn(v, x, tokens, y) + poison * v["w1"][3, 5]
+        return hvd.DistributedGradientTape(tape, compression=compressor).gradient(loss, [v[n] for n in names])
+
+    seen = []
+    for s in range(3):
+        poison = np.float32(np.inf if (s == 1 and hvd.rank() == 1) else 0.0)
+        before = {n: var.numpy().copy() for n, var in compressor._residual_vars.items()}
+        grads = step(*batch(s), tf.constant(poison))
+        w1 = grads[names.index("w1")].numpy()
+        residuals = {n: var.numpy().copy() for n, var in compressor._residual_vars.items()}
+        seen.append((w1, before, residuals))
+    poisoned_w1 = seen[1][0]
+    assert np.isinf(poisoned_w1[3, 5]) and np.isfinite(np.delete(poisoned_w1.reshape(-1), 3 * 64 + 5)).all()
+    assert np.isfinite(seen[0][0]).all() and np.isfinite(seen[2][0]).all()
+    for _, _, residuals in seen:
+        assert all(np.isfinite(r).all() for r in residuals.values())
+    # residuals are keyed by the gradient's graph name; w1's is the sum (AddN) of its two loss terms' gradients
+    (name,) = [n for n in seen[1][2] if n.startswith("AddN")]
+    if hvd.rank() == 1:
+        assert seen[1][2][name][3 * 64 + 5] == seen[1][1][name][3 * 64 + 5]
+        assert compressor.stats()["nonfinite_steps"] == 1
+    else:
+        assert compressor.stats()["nonfinite_steps"] == 0
