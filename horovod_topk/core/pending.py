@@ -27,6 +27,9 @@ class PendingReduction:
     source_name: Optional[str] = None
     #: "unrouted" until the routing sees it, then "dense" or "topk".
     route: str = "unrouted"
+    #: On a tensor's first step: a callable that raises core.consistency.RankMismatch unless every rank agrees
+    #: about this tensor; the routing calls it before waiting for the tensor's own collective.
+    check: Any = None
 
 
 def mark(alias: Any, pending: PendingReduction) -> Any:

@@ -35,6 +35,9 @@ class TensorRecord(Generic[R]):
     bytes_dense: int = 0
     #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched.
     nonfinite_steps: int = 0
+    #: Whether the ranks' agreement about this tensor was checked (core.consistency) since it was created or
+    #: loaded; not saved: a loaded state is checked again.
+    verified: bool = False
 
     @property
     def numel(self) -> int:

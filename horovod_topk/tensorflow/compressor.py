@@ -16,9 +16,13 @@ import tensorflow as tf
 from ..core import (
     PayloadLayout,
     PendingReduction,
+    RankMismatch,
     TensorRecord,
     TopKEFBase,
     allgather_name,
+    check_name,
+    fingerprint,
+    mismatch_message,
     plan_tensor,
     reduction_scale,
     sample_size,
@@ -87,6 +91,8 @@ class TopKEF(TopKEFBase[Any]):
                            value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size)
         record = self.registry.record(name, pending.shape)
         counters = self._counters(name, record)
+        if not record.verified:
+            self._verify(name, record, counters, tensor.dtype, plan.k, process_set)
         dense_nbytes = numel * tensor.dtype.size
         if not plan.compressed:
             pending.route = "dense"
@@ -116,6 +122,23 @@ class TopKEF(TopKEFBase[Any]):
         if scale != 1.0:
             dense = dense * tf.cast(scale, dense.dtype)
         return tf.reshape(tf.cast(dense, tensor.dtype), pending.shape)
+
+    def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
+                k: Optional[int], process_set: Any) -> None:
+        """Check once (at trace time, or on the first eager step) that every rank agrees about this tensor
+        (core.consistency), before any of its collectives is built: a disagreement raises RankMismatch on every
+        rank instead of a hang. The fingerprint allgather runs eagerly (tf.init_scope), in program order, which
+        is the same on every rank."""
+        from horovod.tensorflow.mpi_ops import allgather
+
+        record.verified = True
+        with tf.init_scope():
+            step = int(counters.numpy()[0])
+            row = tf.constant([fingerprint(self.config, record.shape, dtype, step, k)], tf.int64)
+            rows = allgather(row, name=check_name(name), ignore_name_scope=True, process_set=process_set).numpy()
+        message = mismatch_message(name, rows.tolist())
+        if message is not None:
+            raise RankMismatch(message)
 
     # ---- variables -----------------------------------------------------------------------------------------
     def _residual(self, name: str, record: TensorRecord[Any], numel: int, dtype: tf.DType) -> tf.Variable:

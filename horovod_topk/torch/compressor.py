@@ -17,16 +17,20 @@ import torch
 from ..core import (
     PayloadLayout,
     PendingReduction,
+    RankMismatch,
     TensorRecord,
     TopKEFBase,
     allgather_name,
+    check_name,
+    fingerprint,
+    mismatch_message,
     plan_tensor,
     reduction_scale,
     sample_size,
 )
 from . import ops
 
-__all__ = ["TopKEF", "TopKHandle"]
+__all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
 
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -36,6 +40,25 @@ def _dtype_token(dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor of ``dtype``: how the kernels are told a dtype, and its itemsize (made once per dtype,
     not per tensor and step)."""
     return torch.empty(0, dtype=dtype)
+
+
+class AgreementCheck:
+    """The fingerprint allgather of one tensor's first step (core.consistency); calling it waits and raises
+    RankMismatch, on every rank alike, unless all ranks agree."""
+
+    def __init__(self, name: str, handle: Any, wait: Callable[[Any], torch.Tensor]) -> None:
+        self.name = name
+        self._handle = handle
+        self._wait = wait
+        self._message: Optional[str] = None
+        self._done = False
+
+    def __call__(self) -> None:
+        if not self._done:
+            self._message = mismatch_message(self.name, self._wait(self._handle).tolist())
+            self._done = True
+        if self._message is not None:
+            raise RankMismatch(self._message)
 
 
 class TopKHandle:
@@ -131,6 +154,13 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             grad_itemsize=tensor.element_size(),
         )
         dense_nbytes = tensor.numel() * tensor.element_size()
+        if not record.verified:
+            record.verified = True
+            rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, plan.k)],
+                                dtype=torch.int64)
+            pending.check = AgreementCheck(
+                name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize
+            )
         record.steps += 1
         record.bytes_dense += dense_nbytes
         if not plan.compressed:

@@ -18,9 +18,24 @@ import torch
 from ..core import group_member_name, pending_of, refuse_unsupported_op
 from .compressor import TopKEF, TopKHandle
 
-__all__ = ["install", "GroupHandle"]
+__all__ = ["install", "GroupHandle", "CheckedHandle"]
 
 _INSTALLED_FLAG = "_horovod_topk_routing"
+
+
+class CheckedHandle:
+    """A reduction (TopKHandle or Horovod's own handle) on a tensor's first step: the ranks' agreement about the
+    tensor (core.consistency) is waited for and checked first, so that ranks that disagree raise instead of
+    waiting on collectives the others never start."""
+
+    def __init__(self, check: Callable[[], None], inner: Any, wait_dense: Callable[[Any], Any]) -> None:
+        self._check = check
+        self._inner = inner
+        self._wait_dense = wait_dense
+
+    def __call__(self) -> Any:
+        self._check()
+        return self._inner() if callable(self._inner) else self._wait_dense(self._inner)
 
 
 class GroupHandle:
@@ -33,14 +48,18 @@ class GroupHandle:
         dense_positions: List[int],
         dense_handle: Any,
         wait_dense: Callable[[Any], Any],
+        checks: Sequence[Callable[[], None]] = (),
     ) -> None:
         self._size = size
+        self._checks = list(checks)
         self._topk = topk
         self._dense_positions = dense_positions
         self._dense_handle = dense_handle
         self._wait_dense = wait_dense
 
     def __call__(self) -> List[torch.Tensor]:
+        for check in self._checks:  # every member's agreement first (see CheckedHandle)
+            check()
         outputs: List[Optional[torch.Tensor]] = [None] * self._size
         if self._dense_positions:
             for position, output in zip(self._dense_positions, self._wait_dense(self._dense_handle)):
@@ -85,8 +104,12 @@ def install() -> None:
                 tensor, pending, name, op=op, prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor, process_set=process_set,
             )
-            if handle is not None:
-                return handle
+            if handle is None:
+                handle = dense_allreduce_async_(
+                    tensor, average=average, name=name, op=op, prescale_factor=prescale_factor,
+                    postscale_factor=postscale_factor, process_set=process_set,
+                )
+            return handle if pending.check is None else CheckedHandle(pending.check, handle, horovod_synchronize)
         return dense_allreduce_async_(
             tensor, average=average, name=name, op=op, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, process_set=process_set,
@@ -108,6 +131,7 @@ def install() -> None:
             )
         topk: Dict[int, TopKHandle] = {}
         dense_positions: List[int] = []
+        checks: List[Callable[[], None]] = []
         for position, tensor in enumerate(tensors):
             pending = pending_of(tensor)
             handle = None
@@ -116,6 +140,8 @@ def install() -> None:
                     tensor, pending, group_member_name(name, position), op=op,
                     prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set,
                 )
+                if pending.check is not None:
+                    checks.append(pending.check)
             if handle is None:
                 dense_positions.append(position)
             else:
@@ -126,10 +152,10 @@ def install() -> None:
                 [tensors[i] for i in dense_positions], average=average, name=name, op=op,
                 prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set,
             )
-        return GroupHandle(len(tensors), topk, dense_positions, dense_handle, horovod_synchronize)
+        return GroupHandle(len(tensors), topk, dense_positions, dense_handle, horovod_synchronize, checks)
 
     def synchronize(handle: Any) -> Any:
-        if isinstance(handle, (TopKHandle, GroupHandle)):
+        if isinstance(handle, (TopKHandle, GroupHandle, CheckedHandle)):
             return handle()
         return horovod_synchronize(handle)
 
