@@ -6,10 +6,11 @@
 
 Importing this package installs the routing of :mod:`horovod_topk.torch.routing` (in memory, once per process).
 """
-from ..core import TopKConfig
+from ..core import RankMismatch, TopKConfig
+from .checkpoint import gather_state, restore_state
 from .compressor import TopKEF
 from .routing import install as _install_routing
 
 _install_routing()
 
-__all__ = ["TopKEF", "TopKConfig"]
+__all__ = ["TopKEF", "TopKConfig", "RankMismatch", "gather_state", "restore_state"]

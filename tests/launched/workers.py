@@ -84,3 +84,53 @@ def tf_rank_agreement_case() -> str:
         result = str(error)
     hvd.allreduce(tf.constant(1.0), name="after")
     return result
+
+
+def _resume_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _resume_batch(step: int):
+    import horovod.torch as hvd
+
+    gen = torch.Generator().manual_seed(7919 * hvd.rank() + step)
+    return torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+
+
+def resume_run(path: str, start: int, stop: int, save: bool, load: bool, options: dict) -> Dict[str, list]:
+    """Train steps [start, stop) of a small MLP with SGD + momentum and TopKEF; optionally restore everything from
+    ``path`` first and save everything to it at the end. Returns the final parameters (as lists) and what this
+    rank restored."""
+    import horovod.torch as hvd
+    from horovod_topk.torch import TopKEF, gather_state, restore_state
+
+    hvd.init()
+    model = _resume_model()
+    compressor = TopKEF(**options)
+    # Horovod's DistributedOptimizer is a new optimizer object over the same parameters: its state (the momentum
+    # buffers) is what is saved and loaded, not the state of the optimizer it was made from.
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+    restored = {}
+    if load:
+        ckpt = torch.load(path) if hvd.rank() == 0 else None
+        # model and optimizer states are the same on every rank: rank 0's copy goes to all
+        # (named: broadcast_object's default name is the object's type, which differs between root and the others)
+        model_state, opt_state = hvd.broadcast_object(None if ckpt is None else (ckpt["model"], ckpt["optimizer"]),
+                                                      name="resume.model_and_optimizer")
+        model.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+        restore_state(compressor, None if ckpt is None else ckpt["topk"])
+        restored = {name: rec.residual.tolist() for name, rec in compressor.registry if rec.residual is not None}
+    for step in range(start, stop):
+        x, y = _resume_batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if save:
+        topk = gather_state(compressor)
+        if hvd.rank() == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "topk": topk,
+                        "world_size": hvd.size()}, path)
+    return {"params": [p.detach().reshape(-1).tolist() for p in model.parameters()], "restored": restored}

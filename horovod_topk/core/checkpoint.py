@@ -1,0 +1,185 @@
+"""One checkpoint for the error-feedback state of all ranks: gather it to one rank, restore it on any world size.
+
+Residuals differ per rank (each holds what *its* gradients did not send yet), so the model/optimizer habit of
+saving rank 0's copy would silently drop P - 1 of them. :func:`gather_state` collects every rank's
+``state_dict()`` on one rank (one collective per residual; only the root holds the P copies), and
+:func:`restore_state` gives every rank its share back:
+
+* same number of workers: rank j gets exactly what rank j saved, so a resumed run continues bit for bit;
+* another number of workers P' (elastic jobs, a smaller allocation): the residuals cannot be matched to ranks, so
+  every rank gets the same residual chosen so that **the gradient mass still owed to the model is unchanged**:
+  with ``reduction="average"`` (Horovod's default op) the update receives (1/P) * sum of residuals, so each new
+  rank gets the mean of the saved residuals; with ``reduction="sum"`` it receives the sum, so each new rank gets
+  sum / P'. Momentum buffers (DGC) are averaged; step counters must agree (they do in a consistent checkpoint)
+  and are kept; traffic counters are statistics and restart from the saved ranks' mean.
+
+The collectives themselves are framework calls behind :class:`Transport`; this module only decides who gets what.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Generic, List, Mapping, Optional, Protocol, TypeVar
+
+from .registry import STATE_FORMAT
+
+__all__ = ["RANKS_FORMAT", "REDUCTIONS", "Transport", "gather_state", "restore_state", "redistribution_factor"]
+
+#: Format tag of a multi-rank checkpoint, so that a single rank's state_dict is not mistaken for one.
+RANKS_FORMAT = "horovod-topk-ranks/1"
+REDUCTIONS = ("average", "sum")
+_FIELDS = ("residual", "momentum")
+_COUNTERS = ("bytes_sent", "bytes_dense", "nonfinite_steps")
+
+T = TypeVar("T")
+
+
+class Transport(Protocol, Generic[T]):
+    """The few collectives the checkpoint helpers need, over one framework's Horovod (all ranks call each)."""
+
+    rank: int
+    size: int
+
+    def allgather_object(self, obj: Any) -> List[Any]: ...
+
+    def broadcast_object(self, obj: Any, root: int) -> Any: ...
+
+    def describe(self, value: T) -> Dict[str, Any]:
+        """What another rank needs to receive ``value``: {"numel": int, "dtype": str}."""
+        ...
+
+    def gather(self, value: T, root: int, key: str) -> Optional[List[T]]:
+        """Every rank's ``value`` (flat) on ``root`` in rank order; None on the other ranks."""
+        ...
+
+    def scatter(self, values: Optional[List[T]], root: int, key: str, like: Mapping[str, Any]) -> T:
+        """``values[j]`` (given on ``root``) arrives on rank j."""
+        ...
+
+    def broadcast(self, value: Optional[T], root: int, key: str, like: Mapping[str, Any]) -> T: ...
+
+    def mean(self, values: List[T], factor: float) -> T:
+        """factor * elementwise mean of ``values``."""
+        ...
+
+
+def redistribution_factor(reduction: str, saved_size: int, new_size: int) -> float:
+    """The factor on the mean of P saved residuals that each of P' new ranks gets, so that the mass owed to the
+    model is unchanged: average -> (1/P') * P' * f * mean == (1/P) * sum  =>  f = 1;
+    sum -> P' * f * mean == sum  =>  f = P / P'."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return 1.0 if reduction == "average" else saved_size / new_size
+
+
+def _layout(state: Mapping[str, Any], transport: Transport[Any]) -> Dict[str, Any]:
+    """A state_dict with its tensors replaced by what is needed to receive them."""
+    return {
+        "config": state.get("config"),
+        "tensors": {
+            name: {
+                **{k: v for k, v in entry.items() if k not in _FIELDS},
+                **{f: None if entry.get(f) is None else transport.describe(entry[f]) for f in _FIELDS},
+            }
+            for name, entry in state["tensors"].items()
+        },
+    }
+
+
+def _same_tensors(layouts: List[Dict[str, Any]]) -> None:
+    """Raise, identically on every rank, unless all ranks hold the same tensors with the same shapes."""
+    first = layouts[0]["tensors"]
+    for rank, layout in enumerate(layouts[1:], start=1):
+        other = layout["tensors"]
+        if set(other) != set(first):
+            missing = sorted(set(first) ^ set(other))
+            raise ValueError(f"horovod-topk: rank 0 and rank {rank} hold error-feedback state for different tensors "
+                             f"(e.g. {missing[:3]}); cannot save one checkpoint of them")
+        for name in first:
+            for key in ("shape", *_FIELDS):
+                a, b = first[name].get(key), other[name].get(key)
+                if (a is None) != (b is None) or (key == "shape" and list(a) != list(b)):
+                    raise ValueError(f"horovod-topk: tensor {name!r} has {key} {a} on rank 0 but {b} on rank {rank}")
+
+
+def gather_state(compressor: Any, transport: Transport[Any], root: int = 0) -> Optional[Dict[str, Any]]:
+    """Collective: every rank's ``compressor.state_dict()`` in one dict on ``root`` (None on the other ranks)."""
+    state = compressor.state_dict()
+    layouts = transport.allgather_object(_layout(state, transport))
+    _same_tensors(layouts)
+    ranks: List[Dict[str, Any]] = [
+        {"format": STATE_FORMAT, "config": layout["config"],
+         "tensors": {name: {k: v for k, v in entry.items() if k not in _FIELDS} for name, entry in
+                     layout["tensors"].items()}}
+        for layout in layouts
+    ]
+    for name in sorted(state["tensors"]):
+        for field in _FIELDS:
+            value = state["tensors"][name].get(field)
+            if value is None:
+                for r in ranks:
+                    r["tensors"][name][field] = None
+                continue
+            parts = transport.gather(value, root, f"{field}.{name}")
+            if parts is not None:
+                for r, part in zip(ranks, parts):
+                    r["tensors"][name][field] = part
+    if transport.rank != root:
+        return None
+    return {"format": RANKS_FORMAT, "world_size": transport.size, "ranks": ranks}
+
+
+def restore_state(
+    compressor: Any,
+    checkpoint: Optional[Mapping[str, Any]],
+    transport: Transport[Any],
+    root: int = 0,
+    reduction: str = "average",
+) -> None:
+    """Collective: load into every rank its share of a :func:`gather_state` checkpoint that ``root`` holds (the
+    other ranks may pass None). See the module docstring for the policy when the number of workers changed."""
+    redistribution_factor(reduction, 1, 1)  # validates ``reduction`` on every rank before any collective
+    summary = None
+    if transport.rank == root:
+        if not isinstance(checkpoint, Mapping) or checkpoint.get("format") != RANKS_FORMAT:
+            found = checkpoint.get("format") if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
+            summary = {"error": f"horovod-topk: not a checkpoint of gather_state (expected format "
+                                f"{RANKS_FORMAT!r}, got {found!r})"}
+        else:
+            layouts = [_layout(r, transport) for r in checkpoint["ranks"]]
+            try:
+                _same_tensors(layouts)
+                summary = {"world_size": int(checkpoint["world_size"]), "layouts": layouts}
+            except ValueError as error:
+                summary = {"error": str(error)}
+    summary = transport.broadcast_object(summary, root)
+    if "error" in summary:
+        raise ValueError(summary["error"])
+    saved_size, layouts = summary["world_size"], summary["layouts"]
+    same = saved_size == transport.size
+    factor = redistribution_factor(reduction, saved_size, transport.size)
+    mine = layouts[transport.rank] if same else layouts[0]
+    state: Dict[str, Any] = {"format": STATE_FORMAT, "config": mine["config"], "tensors": {}}
+    for name in sorted(mine["tensors"]):
+        entry = {k: v for k, v in mine["tensors"][name].items() if k not in _FIELDS}
+        if not same:
+            steps = {int(layout["tensors"][name]["steps"]) for layout in layouts}
+            if len(steps) > 1:
+                raise ValueError(f"horovod-topk: the checkpoint's ranks are at different steps for {name!r} "
+                                 f"({sorted(steps)}); it was not saved by gather_state after a common step")
+            for counter in _COUNTERS:
+                entry[counter] = sum(int(layout["tensors"][name].get(counter, 0)) for layout in layouts) // saved_size
+        for field in _FIELDS:
+            like = mine["tensors"][name][field]
+            if like is None:
+                entry[field] = None
+                continue
+            key = f"{field}.{name}"
+            saved = [r["tensors"][name][field] for r in checkpoint["ranks"]] if transport.rank == root else None
+            if same:
+                entry[field] = transport.scatter(saved, root, key, like)
+            else:
+                value = None
+                if saved is not None:
+                    value = transport.mean(saved, factor if field == "residual" else 1.0)
+                entry[field] = transport.broadcast(value, root, key, like)
+        state["tensors"][name] = entry
+    compressor.load_state_dict(state)

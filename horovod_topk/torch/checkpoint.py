@@ -1,0 +1,90 @@
+"""Save and restore the error-feedback state of *all* ranks in one checkpoint (PyTorch).
+
+    state = gather_state(compressor)                 # every rank calls it; a dict on rank 0, None elsewhere
+    if hvd.rank() == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "topk": state}, path)
+    ...
+    ckpt = torch.load(path) if hvd.rank() == 0 else None
+    restore_state(compressor, ckpt["topk"] if ckpt else None)   # every rank calls it
+
+The policy (exact on the same number of workers, mass-preserving on another) is in horovod_topk.core.checkpoint.
+Residuals travel with Horovod's alltoall, which only the root receives into: no rank but the root ever holds more
+than its own copy. Uses the global process set.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+
+from ..core import checkpoint as core
+
+__all__ = ["gather_state", "restore_state"]
+
+
+class _TorchTransport:
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        self.rank = hvd.rank()
+        self.size = hvd.size()
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return self.hvd.allgather_object(obj, name="topk.ckpt.layout")
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=root, name="topk.ckpt.summary")
+
+    def describe(self, value: torch.Tensor) -> Dict[str, Any]:
+        return {"numel": int(value.numel()), "dtype": str(value.dtype).replace("torch.", "")}
+
+    def _splits(self, counts: Dict[int, int]) -> torch.Tensor:
+        return torch.tensor([counts.get(r, 0) for r in range(self.size)], dtype=torch.int32)
+
+    def gather(self, value: torch.Tensor, root: int, key: str) -> Optional[List[torch.Tensor]]:
+        flat = value.reshape(-1).contiguous()
+        received, _ = self.hvd.alltoall(flat, splits=self._splits({root: flat.numel()}), name=f"topk.ckpt.g.{key}")
+        return list(received.view(self.size, -1).clone()) if self.rank == root else None
+
+    def scatter(self, values: Optional[List[torch.Tensor]], root: int, key: str, like: Mapping[str, Any]) -> torch.Tensor:
+        dtype = getattr(torch, like["dtype"])
+        if self.rank == root:
+            assert values is not None
+            send = torch.cat([v.reshape(-1).to(dtype) for v in values])
+            splits = self._splits({r: int(v.numel()) for r, v in enumerate(values)})
+        else:
+            send, splits = torch.empty(0, dtype=dtype), self._splits({})
+        received, _ = self.hvd.alltoall(send, splits=splits, name=f"topk.ckpt.s.{key}")
+        return received.clone()
+
+    def broadcast(self, value: Optional[torch.Tensor], root: int, key: str, like: Mapping[str, Any]) -> torch.Tensor:
+        dtype = getattr(torch, like["dtype"])
+        tensor = value.reshape(-1).to(dtype) if value is not None else torch.empty(like["numel"], dtype=dtype)
+        return self.hvd.broadcast(tensor, root_rank=root, name=f"topk.ckpt.b.{key}")
+
+    def mean(self, values: List[torch.Tensor], factor: float) -> torch.Tensor:
+        total = torch.zeros(values[0].numel(), dtype=torch.float64)
+        for v in values:
+            total += v.reshape(-1).double()
+        return (total * (factor / len(values))).to(values[0].dtype)
+
+
+def gather_state(compressor: Any, root_rank: int = 0) -> Optional[Dict[str, Any]]:
+    """Collective: all ranks' TopKEF state in one dict on ``root_rank`` (None on the others); ``torch.save`` it
+    next to the model and optimizer. ``compressor`` is the TopKEF object (or class) given to the optimizer."""
+    return core.gather_state(_resolve(compressor), _TorchTransport(), root_rank)
+
+
+def restore_state(
+    compressor: Any, checkpoint: Optional[Mapping[str, Any]], root_rank: int = 0, reduction: str = "average"
+) -> None:
+    """Collective: give every rank its share of a :func:`gather_state` checkpoint held by ``root_rank`` (other
+    ranks may pass None). On a different number of workers the residual mass owed to the model is preserved:
+    ``reduction`` is the optimizer's op, "average" (Horovod's default) or "sum"."""
+    core.restore_state(_resolve(compressor), checkpoint, _TorchTransport(), root_rank, reduction)
+
+
+def _resolve(compressor: Any) -> Any:
+    """The instance behind ``compression=TopKEF`` (the class) or the object itself."""
+    return compressor.default() if isinstance(compressor, type) else compressor

@@ -1,0 +1,46 @@
+"""Checkpoint and restart of the error-feedback state with real, freshly launched Horovod workers."""
+import os
+
+import horovod
+import pytest
+import torch
+
+from . import workers
+
+STEPS = 6  # S: the straight run trains 2S steps, the resumed one S, then S more in new processes
+
+
+def _run(tmp_path, num_proc, start, stop, *, save=False, load=False, **options):
+    options = {"ratio": 0.02, **options}
+    path = str(tmp_path / "ckpt.pt")
+    return horovod.run(workers.resume_run, args=(path, start, stop, save, load, options), num_proc=num_proc,
+                       use_gloo=True)
+
+
+@pytest.mark.parametrize("options", [{}, {"value_dtype": "float16", "warmup_steps": 4}])
+def test_resume_in_new_processes_is_exact(tmp_path, options):
+    straight = _run(tmp_path, 2, 0, 2 * STEPS, **options)
+    _run(tmp_path, 2, 0, STEPS, save=True, **options)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed = _run(tmp_path, 2, STEPS, 2 * STEPS, load=True, **options)
+    for rank in range(2):
+        assert resumed[rank]["params"] == straight[rank]["params"], f"rank {rank} diverged after the resume"
+        # each rank got back its own residuals, which differ between ranks
+        for name, residual in resumed[rank]["restored"].items():
+            assert residual == saved["topk"]["ranks"][rank]["tensors"][name]["residual"].tolist()
+    names = list(resumed[0]["restored"])
+    assert names and any(resumed[0]["restored"][n] != resumed[1]["restored"][n] for n in names)
+
+
+def test_resume_on_another_number_of_workers_keeps_the_owed_mass(tmp_path):
+    _run(tmp_path, 2, 0, STEPS, save=True)
+    saved = torch.load(tmp_path / "ckpt.pt")["topk"]
+    assert saved["world_size"] == 2
+    (one,) = _run(tmp_path, 1, STEPS, STEPS, load=True)  # restore only, on a single worker
+    assert one["restored"]
+    for name, residual in one["restored"].items():
+        old = [torch.tensor(r["tensors"][name]["residual"]) for r in saved["ranks"]]
+        owed_before = sum(old) / len(old)           # what an Average update still owes: (1/P) sum of residuals
+        owed_after = torch.tensor(residual) / 1     # (1/P') sum over the P' = 1 new rank
+        torch.testing.assert_close(owed_after, owed_before, rtol=1e-6, atol=1e-7)
+    assert os.path.exists(tmp_path / "ckpt.pt")
