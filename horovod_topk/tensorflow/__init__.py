@@ -8,10 +8,11 @@
 
 Importing this package installs the routing of :mod:`horovod_topk.tensorflow.routing` (in memory, once).
 """
-from ..core import TopKConfig
+from ..core import RankMismatch, TopKConfig
+from .checkpoint import gather_state, restore_state
 from .compressor import TopKEF
 from .routing import install as _install_routing
 
 _install_routing()
 
-__all__ = ["TopKEF", "TopKConfig"]
+__all__ = ["TopKEF", "TopKConfig", "RankMismatch", "gather_state", "restore_state"]

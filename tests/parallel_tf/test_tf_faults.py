@@ -40,3 +40,30 @@ def test_an_inf_gradient_on_one_rank_reaches_every_rank_and_never_enters_the_res
         assert compressor.stats()["nonfinite_steps"] == 1
     else:
         assert compressor.stats()["nonfinite_steps"] == 0
+
+
+def test_gather_and_restore_every_ranks_residuals():
+    from horovod_topk.tensorflow import gather_state, restore_state
+
+    from .tf_harness import train_tape
+
+    compressor = TopKEF(ratio=0.05, min_numel=1000)
+    train_tape(compressor, steps=3)
+    before = {n: v.numpy().copy() for n, v in compressor._residual_vars.items()}
+    checkpoint = gather_state(compressor)
+    compressor.reset()  # zeroes the variables in place
+    restore_state(compressor, checkpoint)
+    after = {n: v.numpy().copy() for n, v in compressor._residual_vars.items()}
+    mine = hvd.allgather_object(before, name="test.before")
+    assert after.keys() == before.keys() and len(before) == 2
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name])
+        assert not np.array_equal(mine[0][name], mine[1][name]), "ranks hold different residuals"
+    if hvd.rank() == 0:
+        assert checkpoint["world_size"] == 2
+        for rank in range(2):
+            for name in before:
+                np.testing.assert_array_equal(checkpoint["ranks"][rank]["tensors"][name]["residual"], mine[rank][name])
+    else:
+        assert checkpoint is None
+    assert compressor.stats()["steps"] == 3
