@@ -35,6 +35,9 @@ class TensorRecord(Generic[R]):
     bytes_dense: int = 0
     #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched.
     nonfinite_steps: int = 0
+    #: Running level of the residual norm and how many times the residual was clipped (TopKConfig.residual_clip).
+    residual_level: float = 0.0
+    clips: int = 0
     #: Whether the ranks' agreement about this tensor was checked (core.consistency) since it was created or
     #: loaded; not saved: a loaded state is checked again.
     verified: bool = False
@@ -96,6 +99,8 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "bytes_sent": rec.bytes_sent,
                     "bytes_dense": rec.bytes_dense,
                     "nonfinite_steps": rec.nonfinite_steps,
+                    "residual_level": rec.residual_level,
+                    "clips": rec.clips,
                 }
                 for name, rec in sorted(self.records.items())
             },
@@ -117,5 +122,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                 bytes_sent=int(entry.get("bytes_sent", 0)),
                 bytes_dense=int(entry.get("bytes_dense", 0)),
                 nonfinite_steps=int(entry.get("nonfinite_steps", 0)),
+                residual_level=float(entry.get("residual_level", 0.0)),
+                clips=int(entry.get("clips", 0)),
             )
         self.records = records

@@ -51,6 +51,8 @@ class TopKEF(TopKEFBase[Any]):
         if self.config.momentum:
             raise ValueError("horovod-topk: momentum correction is not supported by the TensorFlow TopKEF yet "
                              "(PyTorch only)")
+        if self.config.residual_clip is not None:
+            raise ValueError("horovod-topk: residual_clip is not supported by the TensorFlow TopKEF yet (PyTorch only)")
         #: Per tensor name: the residual variable and the counter variable (see _counter_values).
         self._residual_vars: Dict[str, tf.Variable] = {}
         self._counter_vars: Dict[str, tf.Variable] = {}

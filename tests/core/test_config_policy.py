@@ -107,3 +107,24 @@ def test_warmup_is_monotone_and_ends_at_the_target():
     ks = [plan_tensor("w", 10_000, True, cfg, step=t, world_size=2).k for t in range(15)]
     assert ks[:3] == [None, None, None]  # ratio > 1/4: dense is cheaper on 2 workers
     assert ks[-1] == 10
+
+
+def test_residual_clip_waits_for_a_settled_level_then_caps_and_ignores_the_spike_in_the_level():
+    from horovod_topk.core.policy import CLIP_WARMUP_STEPS, residual_clip_scale
+
+    level = 0.0
+    for step in range(CLIP_WARMUP_STEPS):  # growing from zero: never clipped
+        scale, level = residual_clip_scale(1.0 + step, level, 2.0, step)
+        assert scale == 1.0
+    settled = level
+    scale, after = residual_clip_scale(100 * settled, settled, 2.0, CLIP_WARMUP_STEPS)
+    assert abs(scale * 100 * settled - 2 * settled) < 1e-9  # capped at 2x the level
+    assert after <= 1.1 * settled + 1e-9                   # the spike moved the level by the cap only
+    assert residual_clip_scale(settled, settled, 2.0, CLIP_WARMUP_STEPS)[0] == 1.0
+    assert residual_clip_scale(float("nan"), settled, 2.0, CLIP_WARMUP_STEPS) == (1.0, settled)
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, -1, float("inf"), True, "2"])
+def test_residual_clip_is_validated(bad):
+    with pytest.raises(ValueError, match="residual_clip"):
+        TopKConfig(residual_clip=bad)
