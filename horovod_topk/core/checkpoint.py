@@ -21,7 +21,15 @@ from typing import Any, Dict, Generic, List, Mapping, Optional, Protocol, TypeVa
 
 from .registry import STATE_FORMAT
 
-__all__ = ["RANKS_FORMAT", "REDUCTIONS", "Transport", "gather_state", "restore_state", "redistribution_factor"]
+__all__ = [
+    "RANKS_FORMAT",
+    "REDUCTIONS",
+    "Transport",
+    "gather_state",
+    "restore_state",
+    "sync_after_reset",
+    "redistribution_factor",
+]
 
 #: Format tag of a multi-rank checkpoint, so that a single rank's state_dict is not mistaken for one.
 RANKS_FORMAT = "horovod-topk-ranks/1"
@@ -161,6 +169,7 @@ def restore_state(
     for name in sorted(mine["tensors"]):
         entry = {k: v for k, v in mine["tensors"][name].items() if k not in _FIELDS}
         if not same:
+            entry["world_size"] = transport.size  # redistributed for this world: no rescale on the next step
             steps = {int(layout["tensors"][name]["steps"]) for layout in layouts}
             if len(steps) > 1:
                 raise ValueError(f"horovod-topk: the checkpoint's ranks are at different steps for {name!r} "
@@ -183,3 +192,21 @@ def restore_state(
                 entry[field] = transport.broadcast(value, root, key, like)
         state["tensors"][name] = entry
     compressor.load_state_dict(state)
+
+
+
+def sync_after_reset(compressor: Any, transport: Transport[Any]) -> None:
+    """Collective, for Horovod elastic after a reset (workers left or joined): every rank adopts the step counters
+    of a rank that has state, so that step-dependent decisions (warm-up) and the cross-rank check agree, and every
+    tensor is checked again. Residuals stay where they are: each rank rescales its own on its next step when it
+    sees the new world size (policy.residual_world_factor), which keeps the mass it owes the model."""
+    state = compressor.state_dict()
+    mine = {name: (list(e["shape"]), int(e["steps"])) for name, e in state["tensors"].items()} or None
+    source = next((s for s in transport.allgather_object(mine) if s is not None), None)
+    if source is None:
+        return
+    for name, (shape, steps) in source.items():
+        record = compressor.registry.record(name, tuple(shape))
+        record.steps = steps
+    for _, record in compressor.registry:
+        record.verified = False

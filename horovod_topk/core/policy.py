@@ -21,6 +21,7 @@ __all__ = [
     "sample_size",
     "CANDIDATE_MARGIN",
     "residual_clip_scale",
+    "residual_world_factor",
     "CLIP_WARMUP_STEPS",
     "CLIP_EMA_DECAY",
 ]
@@ -148,3 +149,13 @@ def residual_clip_scale(norm: float, level: float, clip: float, step: int) -> tu
     scale = 1.0 if norm <= cap else cap / norm
     kept = min(norm, cap)
     return scale, CLIP_EMA_DECAY * level + (1 - CLIP_EMA_DECAY) * kept
+
+
+def residual_world_factor(op_name: str, saved_world_size: Optional[int], world_size: int) -> float:
+    """What a rank multiplies its residual by when the number of workers changed from ``saved_world_size`` to
+    ``world_size`` (Horovod elastic, or a process set of another size), so that the mass it owes the model stays
+    the same: with Average the update receives residual / P, so P'/P; with Sum it receives the residual itself, 1.
+    The residuals of workers that are gone are lost with them; new workers start from zero."""
+    if saved_world_size is None or saved_world_size == world_size or op_name != "average":
+        return 1.0
+    return world_size / saved_world_size

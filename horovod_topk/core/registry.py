@@ -35,6 +35,8 @@ class TensorRecord(Generic[R]):
     bytes_dense: int = 0
     #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched.
     nonfinite_steps: int = 0
+    #: The number of workers the residual was accumulated under (None until the first compressed step).
+    world_size: Optional[int] = None
     #: Running level of the residual norm and how many times the residual was clipped (TopKConfig.residual_clip).
     residual_level: float = 0.0
     clips: int = 0
@@ -101,6 +103,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "nonfinite_steps": rec.nonfinite_steps,
                     "residual_level": rec.residual_level,
                     "clips": rec.clips,
+                    "world_size": rec.world_size,
                 }
                 for name, rec in sorted(self.records.items())
             },
@@ -124,5 +127,6 @@ class ErrorFeedbackRegistry(Generic[R]):
                 nonfinite_steps=int(entry.get("nonfinite_steps", 0)),
                 residual_level=float(entry.get("residual_level", 0.0)),
                 clips=int(entry.get("clips", 0)),
+                world_size=None if entry.get("world_size") is None else int(entry["world_size"]),
             )
         self.records = records

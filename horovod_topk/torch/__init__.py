@@ -7,10 +7,11 @@
 Importing this package installs the routing of :mod:`horovod_topk.torch.routing` (in memory, once per process).
 """
 from ..core import RankMismatch, TopKConfig
-from .checkpoint import gather_state, restore_state
+from .checkpoint import gather_state, register_elastic_handler, restore_state
 from .compressor import TopKEF
 from .routing import install as _install_routing
 
 _install_routing()
+register_elastic_handler()
 
 __all__ = ["TopKEF", "TopKConfig", "RankMismatch", "gather_state", "restore_state"]

@@ -19,7 +19,7 @@ import torch
 
 from ..core import checkpoint as core
 
-__all__ = ["gather_state", "restore_state"]
+__all__ = ["gather_state", "restore_state", "ElasticStateHandler", "register_elastic_handler"]
 
 
 class _TorchTransport:
@@ -83,6 +83,49 @@ def restore_state(
     ranks may pass None). On a different number of workers the residual mass owed to the model is preserved:
     ``reduction`` is the optimizer's op, "average" (Horovod's default) or "sum"."""
     core.restore_state(_resolve(compressor), checkpoint, _TorchTransport(), root_rank, reduction)
+
+
+class ElasticStateHandler:
+    """Horovod elastic handler for a TopKEF object given to ``hvd.elastic.TorchState(..., compression=topk)``.
+
+    commit (save): keep a copy of this rank's state; restore (after a failure): load that copy back, matching the
+    model and optimizer, which Horovod rolls back to the same commit; sync (after a reset): adopt the step counters
+    of a rank that has state (a new worker has none). Residuals are never broadcast -- each rank's is its own --
+    and each rank rescales its own when it first sees the new world size, keeping the mass it owes the model
+    (policy.residual_world_factor); a worker that died takes its residual with it.
+    """
+
+    def __init__(self, compressor: Any) -> None:
+        self.value = compressor
+        self._saved: Optional[Dict[str, Any]] = None
+        self.save()
+
+    def save(self) -> None:
+        self._saved = self.value.state_dict()
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        core.sync_after_reset(self.value, _TorchTransport())
+        self.save()
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+
+def register_elastic_handler() -> None:
+    """Teach ``hvd.elastic.TorchState`` to treat TopKEF objects with :class:`ElasticStateHandler` (idempotent;
+    done when horovod_topk.torch is imported)."""
+    from horovod.torch.elastic import state as elastic_state
+
+    from .compressor import TopKEF
+
+    registry = elastic_state.get_handler_registry()
+    if not any(cls is ElasticStateHandler for _, cls in registry):
+        elastic_state.set_handler_registry([(TopKEF, ElasticStateHandler), *registry])
 
 
 def _resolve(compressor: Any) -> Any:

@@ -28,7 +28,7 @@ from ..core import (
     reduction_scale,
     sample_size,
 )
-from ..core.policy import residual_clip_scale
+from ..core.policy import residual_clip_scale, residual_world_factor
 from . import ops
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
@@ -178,6 +178,10 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         pending.route = "topk"
         assert plan.k is not None
         residual, momentum_buffer = self._state_buffers(name, record, tensor)
+        world_factor = residual_world_factor(op_name, record.world_size, world_size)
+        if world_factor != 1.0:  # workers left or joined since this residual was built (elastic)
+            residual.mul_(world_factor)
+        record.world_size = world_size
         if self.config.residual_clip is not None:
             factor, record.residual_level = residual_clip_scale(
                 float(residual.norm()), record.residual_level, self.config.residual_clip, record.steps - 1

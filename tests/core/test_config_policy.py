@@ -128,3 +128,13 @@ def test_residual_clip_waits_for_a_settled_level_then_caps_and_ignores_the_spike
 def test_residual_clip_is_validated(bad):
     with pytest.raises(ValueError, match="residual_clip"):
         TopKConfig(residual_clip=bad)
+
+
+def test_a_rank_rescales_its_residual_to_keep_what_it_owes_when_workers_come_or_go():
+    from horovod_topk.core.policy import residual_world_factor
+
+    assert residual_world_factor("average", 2, 1) == 0.5   # owed r/2 before, r'/1 after
+    assert residual_world_factor("average", 1, 2) == 2.0   # a new worker joins with zero residual
+    assert residual_world_factor("sum", 2, 1) == 1.0       # Sum applies the residual itself
+    assert residual_world_factor("average", None, 4) == 1.0
+    assert residual_world_factor("average", 3, 3) == 1.0
