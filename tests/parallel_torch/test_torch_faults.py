@@ -81,3 +81,39 @@ def test_nan_without_a_scaler_reaches_every_rank_like_a_dense_allreduce():
     grad = model.fc1.weight.grad.view(-1)
     assert torch.isnan(grad[5]) and int(torch.isnan(grad).sum()) == 1
     assert torch.isfinite(compressor.registry.records["fc1.weight"].residual).all()
+
+
+class OddShapes(nn.Module):
+    """A 0-d parameter, an empty one, and an ordinary matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.nothing = nn.Parameter(torch.empty(0))
+        self.weight = nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight.t()) * self.scale + self.nothing.sum()
+
+
+def _train_odd(compression, steps=3):
+    torch.manual_seed(0)
+    model = OddShapes()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=compression)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(10 * hvd.rank() + step)
+        opt.zero_grad()
+        model(torch.randn(8, 32, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_zero_dim_and_empty_parameters_train_like_plain_horovod():
+    compressor = TopKEF(ratio=1.0, min_numel=0, dense_fallback=False)
+    ours = _train_odd(compressor)
+    plain = _train_odd(hvd.Compression.none)
+    for name in plain:
+        torch.testing.assert_close(ours[name], plain[name])
+    routes = {n: r.residual is not None for n, r in compressor.registry}
+    assert routes == {"scale": True, "nothing": False, "weight": True}  # the 0-d one goes Top-K with k = 1
