@@ -14,7 +14,7 @@ spike   at step S0 rank 0's gradient is multiplied by 100 for one step. For dens
 noniid  each worker trains on its own half of the classes (digits 0-4 / 5-9) or on an IID shard; every 100 steps
         each worker's residual norm and its ratio to that worker's gradient norm.
 soak    a long run: RSS, registry size and the mean step time over the first and last 10% of the steps, and the
-        number of distinct collective names per step (a collision would make Horovod fail the step).
+        sizes the registry had during the run (a collective name collision would make Horovod fail the step).
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def soak(args: argparse.Namespace) -> None:
     run = Run(compressor, seed=args.seed)
     tenth = max(1, args.steps // 10)
     times: List[float] = []
-    names_per_step = set()
+    registry_sizes = set()
     marks = {}
     for t in range(args.steps):
         start = time.perf_counter()
@@ -181,7 +181,7 @@ def soak(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         if t == tenth - 1:
             marks["early"] = (_rss_mib(), len(compressor.registry))
-        names_per_step.add(len(compressor.registry))
+        registry_sizes.add(len(compressor.registry))
     marks["end"] = (_rss_mib(), len(compressor.registry))
     stats = compressor.stats()
     first = sum(times[:tenth]) / tenth * 1e3
@@ -196,7 +196,7 @@ def soak(args: argparse.Namespace) -> None:
         for r, row in enumerate(both.tolist()):
             print(f"| {r} | {row[0]:.1f} | {row[1]:.1f} | {row[4]:.1f} | {row[2]:.2f} | {row[3]:.2f} |")
         print(f"\nregistry: {marks['early'][1]} tensors after 10%, {marks['end'][1]} at the end "
-              f"(distinct sizes seen: {sorted(names_per_step)}); steps counted {stats['steps']}; "
+              f"(sizes seen during the run: {sorted(registry_sizes)}); steps counted {stats['steps']}; "
               f"compression ratio {stats['compression_ratio']:.1f}x; test accuracy {run.accuracy():.4f}")
 
 

@@ -252,24 +252,22 @@ Key kth_largest(std::vector<Key>& keys, int64_t k) {
 
 // The threshold that ~1.3 k + 8 of n values exceed (CANDIDATE_MARGIN in core/policy.py), estimated from a
 // sample of their magnitudes: enough margin that the candidates fall short of k only rarely (then the caller
-// lowers it and rescans). The q-th largest of the sample (q is small: ~1.3 * 60) comes from a min-heap of size q
-// that most samples fail to enter with a single comparison, much cheaper than nth_element over the sample.
+// lowers it and rescans). The q-th largest of the sample comes from the same radix selection as the final k
+// (measured faster on ResNet-50's 54 tensors than a min-heap of the q largest, and than nth_element).
 template <typename R>
 R quantile_threshold(const std::vector<R>& sample, int64_t n, int64_t k) {
+  using Key = typename MagnitudeKey<R>::type;
   const int64_t s = static_cast<int64_t>(sample.size());
   const double expected = std::min<double>(static_cast<double>(n), 1.3 * static_cast<double>(k) + 8.0);
   int64_t q = static_cast<int64_t>(std::ceil(expected * static_cast<double>(s) / static_cast<double>(n)));
   q = std::max<int64_t>(1, std::min<int64_t>(q, s));
-  std::vector<R> heap(sample.begin(), sample.begin() + q);
-  std::make_heap(heap.begin(), heap.end(), std::greater<R>());  // min-heap: heap.front() is the q-th largest
-  for (int64_t i = q; i < s; ++i) {
-    if (sample[i] > heap.front()) {
-      std::pop_heap(heap.begin(), heap.end(), std::greater<R>());
-      heap.back() = sample[i];
-      std::push_heap(heap.begin(), heap.end(), std::greater<R>());
-    }
-  }
-  return heap.front();
+  thread_local std::vector<Key> keys;
+  keys.resize(static_cast<size_t>(s));
+  for (int64_t i = 0; i < s; ++i) keys[static_cast<size_t>(i)] = magnitude_key(sample[static_cast<size_t>(i)]);
+  const Key kth = kth_largest(keys, q);
+  R threshold;
+  std::memcpy(&threshold, &kth, sizeof(threshold));
+  return threshold;
 }
 
 template <typename R, typename G, typename W>
