@@ -202,7 +202,11 @@ class TopKEF(TopKEFBase[Any]):
         return np.array(residual.numpy() if isinstance(residual, tf.Variable) else residual, copy=True)
 
     def _import_residual(self, name: str, value: Any) -> np.ndarray:
-        return np.asarray(value).reshape(-1).copy()
+        array = np.asarray(value).reshape(-1).copy()
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            raise ValueError(f"horovod-topk: the saved residual of {name!r} holds NaN/Inf (a corrupted state); "
+                             f"refusing to load it")
+        return array
 
     def _residual_squared_norm(self, residual: Any) -> float:
         values = residual.numpy() if isinstance(residual, tf.Variable) else np.asarray(residual)

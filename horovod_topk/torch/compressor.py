@@ -258,6 +258,9 @@ class TopKEF(TopKEFBase[torch.Tensor]):
     def _import_residual(self, name: str, value: Any) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"horovod-topk: residual of {name!r} in the state_dict is not a torch.Tensor")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"horovod-topk: the saved residual of {name!r} holds NaN/Inf (a corrupted state); "
+                             f"refusing to load it")
         return value.detach().clone().reshape(-1)
 
     def _residual_squared_norm(self, residual: torch.Tensor) -> float:

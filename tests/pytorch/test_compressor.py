@@ -124,3 +124,12 @@ def test_residual_clip_caps_a_spike_left_in_the_residual_and_counts_it():
     assert float(record.residual.norm()) < 3 * level
     state = comp.state_dict()["tensors"]["w"]
     assert state["clips"] == 1 and state["residual_level"] == record.residual_level
+
+
+def test_a_state_with_a_nonfinite_residual_is_refused_by_name():
+    comp = TopKEF(ratio=0.01, min_numel=0)
+    _route(comp, torch.randn(2000), "w")
+    state = comp.state_dict()
+    state["tensors"]["w"]["residual"][3] = float("nan")
+    with pytest.raises(ValueError, match="'w'.*NaN/Inf"):
+        TopKEF(ratio=0.01).load_state_dict(state)

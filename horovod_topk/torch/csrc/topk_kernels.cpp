@@ -3,10 +3,10 @@
 // Why a kernel: with torch ops every step of Top-K selection (compensate, |.|, threshold, mask, nonzero, gather,
 // residual update) is another pass over N elements, and exact torch.topk is ~40x one elementwise pass. Here:
 //   compress   = one pass that compensates (r += g, or DGC momentum correction), zeroes the gradient buffer it has
-//                just read (so decompress needs no zeroing pass of its own) and collects the entries above a
-//                threshold estimated on a strided sample; exactly k of those candidates are kept (nth_element on
-//                their magnitudes), packed into the payload, and their residual keeps only the rounding error of
-//                the wire dtype.
+//                just read (so decompress needs no zeroing pass of its own) and moves the entries above a
+//                threshold estimated on a strided sample out of the residual into a candidate list; exactly k of
+//                those are kept (radix selection on their magnitudes' bits), packed into the payload, and the
+//                others go back to the residual. A NaN/Inf gradient entry never enters the residual: it is sent.
 //   decompress = add the P payloads' scaled values into that zeroed gradient buffer (no allocation), each walking
 //                its ascending indices front to back with prefetching.
 // Payload layout (horovod_topk/core/payload.py): [k int32 indices | pad | k values | pad to 8 bytes].
