@@ -27,7 +27,7 @@ def test_two_hosts_train_topkef_across_a_shaped_link():
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     reports = re.findall(r"TESTBED rank=(\d) size=(\d) steps=(\d+) bytes_sent=(\d+) bytes_dense=(\d+) "
-                         r"max_param_spread=(\S+)", out)
+                         r"max_param_spread=([-+.0-9eE]+)", out)
     assert sorted(r[0] for r in reports) == ["0", "1"], out
     for rank, size, steps, sent, dense, spread in reports:
         assert size == "2" and steps == "5"

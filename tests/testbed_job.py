@@ -1,4 +1,6 @@
 """A few TopKEF training steps, run by tests/test_testbed.py on hosts made by scripts/testbed.sh."""
+import sys
+
 import horovod.torch as hvd
 import torch
 
@@ -23,5 +25,8 @@ spread = (hvd.allreduce(flat, op=hvd.Max, name="check.max") - hvd.allreduce(flat
 reports = hvd.allgather_object((hvd.rank(), hvd.size(), compressor.stats(), float(spread.max())))
 if hvd.rank() == 0:  # one printer, so that the lines of the two ranks cannot interleave
     for rank, size, stats, spread in reports:
-        print(f"TESTBED rank={rank} size={size} steps={stats['steps']} bytes_sent={stats['bytes_sent']} "
-              f"bytes_dense={stats['bytes_dense']} max_param_spread={spread:.3g}", flush=True)
+        # one write per line: print() writes the text and the newline separately, and mpirun's output tagging
+        # can then land between them
+        sys.stdout.write(f"TESTBED rank={rank} size={size} steps={stats['steps']} bytes_sent={stats['bytes_sent']} "
+                         f"bytes_dense={stats['bytes_dense']} max_param_spread={spread:.3g}\n")
+        sys.stdout.flush()

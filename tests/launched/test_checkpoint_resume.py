@@ -39,7 +39,7 @@ def test_resume_on_another_number_of_workers_keeps_the_owed_mass(tmp_path):
     (one,) = _run(tmp_path, 1, STEPS, STEPS, load=True)  # restore only, on a single worker
     assert one["restored"]
     for name, residual in one["restored"].items():
-        old = [torch.tensor(r["tensors"][name]["residual"]) for r in saved["ranks"]]
+        old = [r["tensors"][name]["residual"].clone() for r in saved["ranks"]]
         owed_before = sum(old) / len(old)           # what an Average update still owes: (1/P) sum of residuals
         owed_after = torch.tensor(residual) / 1     # (1/P') sum over the P' = 1 new rank
         torch.testing.assert_close(owed_after, owed_before, rtol=1e-6, atol=1e-7)
