@@ -29,6 +29,8 @@ __all__ = [
     "restore_state",
     "sync_after_reset",
     "redistribution_factor",
+    "ObjectCollectives",
+    "resolve_compressor",
 ]
 
 #: Format tag of a multi-rank checkpoint, so that a single rank's state_dict is not mistaken for one.
@@ -67,6 +69,29 @@ class Transport(Protocol, Generic[T]):
     def mean(self, values: List[T], factor: float) -> T:
         """factor * elementwise mean of ``values``."""
         ...
+
+
+class ObjectCollectives:
+    """The rank, size and object collectives of a Transport, over a framework's Horovod module (``horovod.torch``
+    or ``horovod.tensorflow``: both have the same calls). The framework transports add the tensor ones."""
+
+    def __init__(self, hvd: Any) -> None:
+        self.hvd = hvd
+        self.rank: int = hvd.rank()
+        self.size: int = hvd.size()
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return self.hvd.allgather_object(obj, name="topk.ckpt.layout")
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        # named explicitly: broadcast_object's default name is the object's type, which differs between the root
+        # (a dict) and the others (None)
+        return self.hvd.broadcast_object(obj, root_rank=root, name="topk.ckpt.summary")
+
+
+def resolve_compressor(compressor: Any) -> Any:
+    """The instance behind ``compression=TopKEF`` (the class itself) or the object."""
+    return compressor.default() if isinstance(compressor, type) else compressor
 
 
 def redistribution_factor(reduction: str, saved_size: int, new_size: int) -> float:

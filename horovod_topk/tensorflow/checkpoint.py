@@ -21,19 +21,11 @@ from ..core import checkpoint as core
 __all__ = ["gather_state", "restore_state"]
 
 
-class _TensorFlowTransport:
+class _TensorFlowTransport(core.ObjectCollectives):
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
 
-        self.hvd = hvd
-        self.rank = hvd.rank()
-        self.size = hvd.size()
-
-    def allgather_object(self, obj: Any) -> List[Any]:
-        return self.hvd.allgather_object(obj, name="topk.ckpt.layout")
-
-    def broadcast_object(self, obj: Any, root: int) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=root, name="topk.ckpt.summary")
+        super().__init__(hvd)
 
     def describe(self, value: np.ndarray) -> Dict[str, Any]:
         return {"numel": int(np.size(value)), "dtype": np.asarray(value).dtype.name}
@@ -73,7 +65,7 @@ class _TensorFlowTransport:
 
 def gather_state(compressor: Any, root_rank: int = 0) -> Optional[Dict[str, Any]]:
     """Collective (call eagerly): all ranks' TopKEF state in one dict on ``root_rank``, None on the others."""
-    return core.gather_state(_resolve(compressor), _TensorFlowTransport(), root_rank)
+    return core.gather_state(core.resolve_compressor(compressor), _TensorFlowTransport(), root_rank)
 
 
 def restore_state(
@@ -81,8 +73,4 @@ def restore_state(
 ) -> None:
     """Collective (call eagerly): every rank gets its share of a :func:`gather_state` checkpoint held by
     ``root_rank``; ``reduction`` ("average" or "sum") is the reduction op, for a different number of workers."""
-    core.restore_state(_resolve(compressor), checkpoint, _TensorFlowTransport(), root_rank, reduction)
-
-
-def _resolve(compressor: Any) -> Any:
-    return compressor.default() if isinstance(compressor, type) else compressor
+    core.restore_state(core.resolve_compressor(compressor), checkpoint, _TensorFlowTransport(), root_rank, reduction)

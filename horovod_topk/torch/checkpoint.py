@@ -22,19 +22,11 @@ from ..core import checkpoint as core
 __all__ = ["gather_state", "restore_state", "ElasticStateHandler", "register_elastic_handler"]
 
 
-class _TorchTransport:
+class _TorchTransport(core.ObjectCollectives):
     def __init__(self) -> None:
         import horovod.torch as hvd
 
-        self.hvd = hvd
-        self.rank = hvd.rank()
-        self.size = hvd.size()
-
-    def allgather_object(self, obj: Any) -> List[Any]:
-        return self.hvd.allgather_object(obj, name="topk.ckpt.layout")
-
-    def broadcast_object(self, obj: Any, root: int) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=root, name="topk.ckpt.summary")
+        super().__init__(hvd)
 
     def describe(self, value: torch.Tensor) -> Dict[str, Any]:
         return {"numel": int(value.numel()), "dtype": str(value.dtype).replace("torch.", "")}
@@ -73,7 +65,7 @@ class _TorchTransport:
 def gather_state(compressor: Any, root_rank: int = 0) -> Optional[Dict[str, Any]]:
     """Collective: all ranks' TopKEF state in one dict on ``root_rank`` (None on the others); ``torch.save`` it
     next to the model and optimizer. ``compressor`` is the TopKEF object (or class) given to the optimizer."""
-    return core.gather_state(_resolve(compressor), _TorchTransport(), root_rank)
+    return core.gather_state(core.resolve_compressor(compressor), _TorchTransport(), root_rank)
 
 
 def restore_state(
@@ -82,7 +74,7 @@ def restore_state(
     """Collective: give every rank its share of a :func:`gather_state` checkpoint held by ``root_rank`` (other
     ranks may pass None). On a different number of workers the residual mass owed to the model is preserved:
     ``reduction`` is the optimizer's op, "average" (Horovod's default) or "sum"."""
-    core.restore_state(_resolve(compressor), checkpoint, _TorchTransport(), root_rank, reduction)
+    core.restore_state(core.resolve_compressor(compressor), checkpoint, _TorchTransport(), root_rank, reduction)
 
 
 class ElasticStateHandler:
@@ -126,8 +118,3 @@ def register_elastic_handler() -> None:
     registry = elastic_state.get_handler_registry()
     if not any(cls is ElasticStateHandler for _, cls in registry):
         elastic_state.set_handler_registry([(TopKEF, ElasticStateHandler), *registry])
-
-
-def _resolve(compressor: Any) -> Any:
-    """The instance behind ``compression=TopKEF`` (the class) or the object itself."""
-    return compressor.default() if isinstance(compressor, type) else compressor
