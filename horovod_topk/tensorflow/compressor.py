@@ -54,8 +54,22 @@ class TopKEF(TopKEFBase[Any]):
         if self.config.residual_clip is not None:
             raise ValueError("horovod-topk: residual_clip is not supported by the TensorFlow TopKEF yet (PyTorch only)")
         #: Per tensor name: the residual variable and the counter variable (see _counter_values).
-        self._residual_vars: Dict[str, tf.Variable] = {}
-        self._counter_vars: Dict[str, tf.Variable] = {}
+        # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
+        # through these tracked dicts is what lets a restore reach variables created after it.
+        self._trackable = tf.Module(name="horovod_topk")
+        self._trackable.residuals = {}
+        self._trackable.counters = {}
+        self._residual_vars: Dict[str, tf.Variable] = self._trackable.residuals
+        self._counter_vars: Dict[str, tf.Variable] = self._trackable.counters
+
+    @property
+    def trackable(self) -> tf.Module:
+        """This rank's residuals and counters as a TensorFlow trackable, to save next to the model:
+        ``tf.train.Checkpoint(model=model, optimizer=opt, topk=compressor.trackable)``. After a restore, each
+        tensor's variables get their saved values when they are created on its first step (TensorFlow's deferred
+        restoration). One checkpoint per rank, as residuals differ per rank; see horovod_topk.tensorflow.checkpoint
+        for one file holding every rank's state."""
+        return self._trackable
 
     # ---- compressor API hooks ------------------------------------------------------------------------------
     def _alias(self, tensor: tf.Tensor) -> tf.Tensor:

@@ -67,3 +67,21 @@ def test_gather_and_restore_every_ranks_residuals():
     else:
         assert checkpoint is None
     assert compressor.stats()["steps"] == 3
+
+
+def test_a_tf_train_checkpoint_restores_residuals_and_counters_into_a_new_compressor(tmp_path_factory):
+    from .tf_harness import train_tape
+
+    first = TopKEF(ratio=0.05, min_numel=1000)
+    train_tape(first, steps=3)
+    path = tf.train.Checkpoint(topk=first.trackable).write(str(tmp_path_factory.mktemp(f"rank{hvd.rank()}") / "ck"))
+    second = TopKEF(ratio=0.05, min_numel=1000)
+    tf.train.Checkpoint(topk=second.trackable).read(path)  # its variables do not exist yet: restored on creation
+    # one more identical step (same fresh model, same batch) from the saved state and from the restored one
+    train_tape(first, steps=1)
+    train_tape(second, steps=1)
+    assert first.stats()["steps"] == second.stats()["steps"] == 4
+    ours = {n: v.numpy() for n, v in second._residual_vars.items()}
+    assert ours.keys() == {n for n in first._residual_vars} and len(ours) == 2
+    for name, value in first._residual_vars.items():
+        np.testing.assert_array_equal(ours[name], value.numpy())
