@@ -46,11 +46,6 @@ class TopKConfig:
         momentum (float): DGC momentum correction for SGD with momentum m: the compressor accumulates
             u = m u + g and the residual v += u, sends the top-k of v and zeroes u and v there (momentum-factor
             masking). Use it with the optimizer's own momentum set to 0. Default 0 (off).
-        residual_clip (float, optional): cap each tensor's residual norm at ``residual_clip`` times its running
-            level (an exponential average of the residual norm, see policy.residual_clip_scale); the mass above the
-            cap is dropped. A 100x gradient spike otherwise stays in the residual and crowds the fresh gradients
-            out of the payloads for tens of steps (scripts/fault_study.py spike). Costs one read of the residual
-            per step. None (default) never drops anything.
     """
 
     ratio: float = 0.01
@@ -61,7 +56,6 @@ class TopKConfig:
     dense_fallback: bool = True
     warmup_steps: int = 0
     momentum: float = 0.0
-    residual_clip: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
@@ -84,12 +78,6 @@ class TopKConfig:
             0.0 <= self.momentum < 1.0
         ):
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if self.residual_clip is not None and (
-            isinstance(self.residual_clip, bool)
-            or not isinstance(self.residual_clip, (int, float))
-            or not (math.isfinite(self.residual_clip) and self.residual_clip >= 1.0)
-        ):
-            raise ValueError(f"residual_clip must be None or a number >= 1, got {self.residual_clip!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -107,7 +95,7 @@ class TopKConfig:
         defaults = TopKConfig()
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
-            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum", "residual_clip")
+            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

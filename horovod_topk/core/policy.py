@@ -20,10 +20,7 @@ __all__ = [
     "ring_allreduce_nbytes",
     "sample_size",
     "CANDIDATE_MARGIN",
-    "residual_clip_scale",
     "residual_world_factor",
-    "CLIP_WARMUP_STEPS",
-    "CLIP_EMA_DECAY",
 ]
 
 #: The sampled selectors aim their threshold at CANDIDATE_MARGIN * k + 8 candidates (the C++ kernel uses the same
@@ -127,28 +124,6 @@ def sample_size(k: int, numel: int) -> int:
     wanted = max(1024, 60 * numel // max(k, 1))
     return int(min(numel, wanted, max(1024, numel // 32)))
 
-
-#: The residual grows from zero over its first steps: no clipping before its running level has settled.
-CLIP_WARMUP_STEPS = 50
-#: Weight of the past in the running level of the residual norm (a time constant of ~10 steps).
-CLIP_EMA_DECAY = 0.9
-
-
-def residual_clip_scale(norm: float, level: float, clip: float, step: int) -> tuple:
-    """(factor to multiply the residual by, new running level) for a residual of L2 norm ``norm`` whose running
-    level was ``level``, under TopKConfig.residual_clip = ``clip``, at the tensor's ``step``.
-
-    The level follows the clipped norm, so a spike does not raise the cap that is meant to remove it. Before
-    CLIP_WARMUP_STEPS (and while the level is 0) nothing is clipped and the level just follows the norm.
-    """
-    if not math.isfinite(norm):
-        return 1.0, level
-    if step < CLIP_WARMUP_STEPS or level <= 0.0:
-        return 1.0, norm if level <= 0.0 else CLIP_EMA_DECAY * level + (1 - CLIP_EMA_DECAY) * norm
-    cap = clip * level
-    scale = 1.0 if norm <= cap else cap / norm
-    kept = min(norm, cap)
-    return scale, CLIP_EMA_DECAY * level + (1 - CLIP_EMA_DECAY) * kept
 
 
 def residual_world_factor(op_name: str, saved_world_size: Optional[int], world_size: int) -> float:

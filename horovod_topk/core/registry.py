@@ -37,9 +37,6 @@ class TensorRecord(Generic[R]):
     nonfinite_steps: int = 0
     #: The number of workers the residual was accumulated under (None until the first compressed step).
     world_size: Optional[int] = None
-    #: Running level of the residual norm and how many times the residual was clipped (TopKConfig.residual_clip).
-    residual_level: float = 0.0
-    clips: int = 0
     #: Whether the ranks' agreement about this tensor was checked (core.consistency) since it was created or
     #: loaded; not saved: a loaded state is checked again.
     verified: bool = False
@@ -101,8 +98,6 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "bytes_sent": rec.bytes_sent,
                     "bytes_dense": rec.bytes_dense,
                     "nonfinite_steps": rec.nonfinite_steps,
-                    "residual_level": rec.residual_level,
-                    "clips": rec.clips,
                     "world_size": rec.world_size,
                 }
                 for name, rec in sorted(self.records.items())
@@ -125,8 +120,6 @@ class ErrorFeedbackRegistry(Generic[R]):
                 bytes_sent=int(entry.get("bytes_sent", 0)),
                 bytes_dense=int(entry.get("bytes_dense", 0)),
                 nonfinite_steps=int(entry.get("nonfinite_steps", 0)),
-                residual_level=float(entry.get("residual_level", 0.0)),
-                clips=int(entry.get("clips", 0)),
                 world_size=None if entry.get("world_size") is None else int(entry["world_size"]),
             )
         self.records = records

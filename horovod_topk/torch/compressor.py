@@ -28,7 +28,7 @@ from ..core import (
     reduction_scale,
     sample_size,
 )
-from ..core.policy import residual_clip_scale, residual_world_factor
+from ..core.policy import residual_world_factor
 from . import ops
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
@@ -182,13 +182,6 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         if world_factor != 1.0:  # workers left or joined since this residual was built (elastic)
             residual.mul_(world_factor)
         record.world_size = world_size
-        if self.config.residual_clip is not None:
-            factor, record.residual_level = residual_clip_scale(
-                float(residual.norm()), record.residual_level, self.config.residual_clip, record.steps - 1
-            )
-            if factor < 1.0:
-                residual.mul_(factor)
-                record.clips += 1
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         layout = PayloadLayout(plan.k, _dtype_token(wire_dtype).element_size())
         kernels = self._kernels(tensor)

@@ -109,27 +109,6 @@ def test_warmup_is_monotone_and_ends_at_the_target():
     assert ks[-1] == 10
 
 
-def test_residual_clip_waits_for_a_settled_level_then_caps_and_ignores_the_spike_in_the_level():
-    from horovod_topk.core.policy import CLIP_WARMUP_STEPS, residual_clip_scale
-
-    level = 0.0
-    for step in range(CLIP_WARMUP_STEPS):  # growing from zero: never clipped
-        scale, level = residual_clip_scale(1.0 + step, level, 2.0, step)
-        assert scale == 1.0
-    settled = level
-    scale, after = residual_clip_scale(100 * settled, settled, 2.0, CLIP_WARMUP_STEPS)
-    assert abs(scale * 100 * settled - 2 * settled) < 1e-9  # capped at 2x the level
-    assert after <= 1.1 * settled + 1e-9                   # the spike moved the level by the cap only
-    assert residual_clip_scale(settled, settled, 2.0, CLIP_WARMUP_STEPS)[0] == 1.0
-    assert residual_clip_scale(float("nan"), settled, 2.0, CLIP_WARMUP_STEPS) == (1.0, settled)
-
-
-@pytest.mark.parametrize("bad", [0.5, 0, -1, float("inf"), True, "2"])
-def test_residual_clip_is_validated(bad):
-    with pytest.raises(ValueError, match="residual_clip"):
-        TopKConfig(residual_clip=bad)
-
-
 def test_a_rank_rescales_its_residual_to_keep_what_it_owes_when_workers_come_or_go():
     from horovod_topk.core.policy import residual_world_factor
 
