@@ -16,7 +16,7 @@ from torch import nn
 
 from horovod_topk.torch import TopKEF
 
-JOIN_STEP, KILL_STEP, LAST_STEP, STEP_SECONDS, COMMIT_EVERY = 5, 100, 140, 0.25, 5
+JOIN_STEP, KILL_STEP, LAST_STEP, MAX_STEPS, STEP_SECONDS, COMMIT_EVERY = 5, 100, 140, 400, 0.25, 5
 hosts_file, log_file, added_host = sys.argv[1:4]
 
 hvd.init()
@@ -48,7 +48,9 @@ state.register_reset_callbacks([lambda: log("reset")])
 @hvd.elastic.run
 def train(state):
     log("start")  # after Horovod's sync of the state: what a new worker received
-    while state.step < LAST_STEP:
+    # run at least to LAST_STEP, and on (up to MAX_STEPS) until the kill has happened: on a slow machine the
+    # second worker may take long to start
+    while state.step < LAST_STEP or (not os.path.exists(hosts_file + ".killed") and state.step < MAX_STEPS):
         gen = torch.Generator().manual_seed(1000 * hvd.rank() + state.step)
         x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
         opt.zero_grad()

