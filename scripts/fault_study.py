@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--topk", nargs="+", default=["ratio=0.01"],
-                        help="TopKEF options per variant, e.g. ratio=0.01 ratio=0.001,warmup_steps=100")
+                        help="TopKEF options per variant, e.g. ratio=0.01 ratio=0.01,spike_guard=3")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()

@@ -43,7 +43,7 @@ class TopKEFBase(abc.ABC, Generic[R]):
         ratio (float, optional): fraction of entries sent per step, in (0, 1]. Default 0.01.
         config (TopKConfig, optional): a ready configuration; exclusive with the keyword options.
         **options: any other field of :class:`TopKConfig` (k, min_numel, selector, value_dtype, dense_fallback,
-            warmup_steps, momentum); an unknown name is a ValueError.
+            warmup_steps, momentum, spike_guard); an unknown name is a ValueError.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -159,7 +159,8 @@ class TopKEFBase(abc.ABC, Generic[R]):
         ``bytes_sent`` is what this rank handed to collectives (payloads of compressed tensors, full size of the
         dense ones); ``bytes_dense`` what plain Horovod would have handed over for the same tensors and steps;
         ``compression_ratio`` = bytes_dense / bytes_sent; ``residual_norm`` the L2 norm over all residuals;
-        ``nonfinite_steps`` how many (tensor, step) pairs had a NaN/Inf gradient here (sent as such, residual kept).
+        ``nonfinite_steps`` how many (tensor, step) pairs had a NaN/Inf gradient here (sent as such, residual kept);
+        ``guarded_steps`` how many had their gradient capped by TopKConfig.spike_guard.
         """
         self._refresh_counters()
         steps, sent, dense = self.registry.totals()
@@ -174,4 +175,5 @@ class TopKEFBase(abc.ABC, Generic[R]):
             "tensors_compressed": compressed,
             "tensors_dense": len(self.registry) - compressed,
             "nonfinite_steps": sum(r.nonfinite_steps for _, r in self.registry),
+            "guarded_steps": sum(r.guarded_steps for _, r in self.registry),
         }

@@ -46,6 +46,11 @@ class TopKConfig:
         momentum (float): DGC momentum correction for SGD with momentum m: the compressor accumulates
             u = m u + g and the residual v += u, sends the top-k of v and zeroes u and v there (momentum-factor
             masking). Use it with the optimizer's own momentum set to 0. Default 0 (off).
+        spike_guard (float, optional): cap each tensor's local gradient norm at ``spike_guard`` times its running
+            level (an average of its recent, capped norms; after 50 warm-up steps) before it enters the residual.
+            A 100x gradient spike otherwise sits in the residual and crowds fresh gradients out of the payloads for
+            ~75 steps (scripts/fault_study.py spike). Like gradient clipping it departs from what dense training
+            would apply on such a step. Costs one read of the gradient per step. None (default): off.
     """
 
     ratio: float = 0.01
@@ -56,6 +61,7 @@ class TopKConfig:
     dense_fallback: bool = True
     warmup_steps: int = 0
     momentum: float = 0.0
+    spike_guard: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
@@ -78,6 +84,12 @@ class TopKConfig:
             0.0 <= self.momentum < 1.0
         ):
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if self.spike_guard is not None and (
+            isinstance(self.spike_guard, bool)
+            or not isinstance(self.spike_guard, (int, float))
+            or not (math.isfinite(self.spike_guard) and self.spike_guard >= 1.0)
+        ):
+            raise ValueError(f"spike_guard must be None or a number >= 1, got {self.spike_guard!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -95,7 +107,7 @@ class TopKConfig:
         defaults = TopKConfig()
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
-            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum")
+            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum", "spike_guard")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
 
@@ -21,6 +21,9 @@ __all__ = [
     "sample_size",
     "CANDIDATE_MARGIN",
     "residual_world_factor",
+    "spike_guard_scale",
+    "SPIKE_GUARD_WARMUP_STEPS",
+    "SPIKE_GUARD_DECAY",
 ]
 
 #: The sampled selectors aim their threshold at CANDIDATE_MARGIN * k + 8 candidates (the C++ kernel uses the same
@@ -134,3 +137,28 @@ def residual_world_factor(op_name: str, saved_world_size: Optional[int], world_s
     if saved_world_size is None or saved_world_size == world_size or op_name != "average":
         return 1.0
     return world_size / saved_world_size
+
+
+#: Gradients are large and fast-changing early in training: no capping before the level has settled.
+SPIKE_GUARD_WARMUP_STEPS = 50
+#: Weight of the past in the running level of a tensor's gradient norm (a time constant of ~10 steps).
+SPIKE_GUARD_DECAY = 0.9
+
+
+def spike_guard_scale(norm: float, level: float, guard: float, step: int) -> Tuple[float, float]:
+    """(factor to multiply this step's gradient by, new running level) under TopKConfig.spike_guard = ``guard``,
+    for a gradient of L2 norm ``norm`` at the tensor's ``step``, whose running level was ``level``.
+
+    The level follows the capped norms, so a spike does not raise the cap meant to contain it. Before
+    SPIKE_GUARD_WARMUP_STEPS, or while the level is 0, nothing is capped. A non-finite norm changes nothing (the
+    non-finite path handles that gradient).
+    """
+    if not math.isfinite(norm):
+        return 1.0, level
+    if level <= 0.0:
+        return 1.0, norm
+    factor = 1.0
+    if step >= SPIKE_GUARD_WARMUP_STEPS and norm > guard * level:
+        factor = guard * level / norm
+        norm = guard * level
+    return factor, SPIKE_GUARD_DECAY * level + (1 - SPIKE_GUARD_DECAY) * norm

@@ -37,6 +37,9 @@ class TensorRecord(Generic[R]):
     nonfinite_steps: int = 0
     #: The number of workers the residual was accumulated under (None until the first compressed step).
     world_size: Optional[int] = None
+    #: Running level of the gradient norm, and how many steps the gradient was capped (TopKConfig.spike_guard).
+    gradient_level: float = 0.0
+    guarded_steps: int = 0
     #: Whether the ranks' agreement about this tensor was checked (core.consistency) since it was created or
     #: loaded; not saved: a loaded state is checked again.
     verified: bool = False
@@ -99,6 +102,8 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "bytes_dense": rec.bytes_dense,
                     "nonfinite_steps": rec.nonfinite_steps,
                     "world_size": rec.world_size,
+                    "gradient_level": rec.gradient_level,
+                    "guarded_steps": rec.guarded_steps,
                 }
                 for name, rec in sorted(self.records.items())
             },
@@ -121,5 +126,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                 bytes_dense=int(entry.get("bytes_dense", 0)),
                 nonfinite_steps=int(entry.get("nonfinite_steps", 0)),
                 world_size=None if entry.get("world_size") is None else int(entry["world_size"]),
+                gradient_level=float(entry.get("gradient_level", 0.0)),
+                guarded_steps=int(entry.get("guarded_steps", 0)),
             )
         self.records = records

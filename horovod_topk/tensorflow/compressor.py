@@ -51,6 +51,8 @@ class TopKEF(TopKEFBase[Any]):
         if self.config.momentum:
             raise ValueError("horovod-topk: momentum correction is not supported by the TensorFlow TopKEF yet "
                              "(PyTorch only)")
+        if self.config.spike_guard is not None:
+            raise ValueError("horovod-topk: spike_guard is not supported by the TensorFlow TopKEF yet (PyTorch only)")
         #: Per tensor name: the residual variable and the counter variable (see _counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.

@@ -28,7 +28,7 @@ from ..core import (
     reduction_scale,
     sample_size,
 )
-from ..core.policy import residual_world_factor
+from ..core.policy import residual_world_factor, spike_guard_scale
 from . import ops
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
@@ -155,6 +155,13 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             grad_itemsize=tensor.element_size(),
         )
         dense_nbytes = tensor.numel() * tensor.element_size()
+        if self.config.spike_guard is not None and tensor.is_floating_point():
+            factor, record.gradient_level = spike_guard_scale(
+                float(tensor.float().norm()), record.gradient_level, self.config.spike_guard, record.steps
+            )
+            if factor < 1.0:  # in place, like clip_grad_norm_: the alias shares the gradient's storage
+                tensor.mul_(factor)
+                record.guarded_steps += 1
         if not record.verified:
             record.verified = True
             rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, plan.k)],

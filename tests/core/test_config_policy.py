@@ -117,3 +117,24 @@ def test_a_rank_rescales_its_residual_to_keep_what_it_owes_when_workers_come_or_
     assert residual_world_factor("sum", 2, 1) == 1.0       # Sum applies the residual itself
     assert residual_world_factor("average", None, 4) == 1.0
     assert residual_world_factor("average", 3, 3) == 1.0
+
+
+def test_spike_guard_waits_for_a_settled_level_then_caps_and_keeps_the_spike_out_of_the_level():
+    from horovod_topk.core.policy import SPIKE_GUARD_WARMUP_STEPS, spike_guard_scale
+
+    level = 0.0
+    for step in range(SPIKE_GUARD_WARMUP_STEPS):  # early, large and changing gradients: never capped
+        factor, level = spike_guard_scale(10.0 if step % 2 else 1.0, level, 3.0, step)
+        assert factor == 1.0
+    settled = level
+    factor, after = spike_guard_scale(100 * settled, settled, 3.0, SPIKE_GUARD_WARMUP_STEPS)
+    assert abs(factor * 100 * settled - 3 * settled) < 1e-9  # capped at 3x the level
+    assert after <= 1.2 * settled + 1e-9                    # the level moved by the cap only
+    assert spike_guard_scale(settled, settled, 3.0, SPIKE_GUARD_WARMUP_STEPS)[0] == 1.0
+    assert spike_guard_scale(float("inf"), settled, 3.0, SPIKE_GUARD_WARMUP_STEPS) == (1.0, settled)
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, -1, float("nan"), True, "3"])
+def test_spike_guard_is_validated(bad):
+    with pytest.raises(ValueError, match="spike_guard"):
+        TopKConfig(spike_guard=bad)

@@ -113,3 +113,24 @@ def test_a_state_with_a_nonfinite_residual_is_refused_by_name():
     state["tensors"]["w"]["residual"][3] = float("nan")
     with pytest.raises(ValueError, match="'w'.*NaN/Inf"):
         TopKEF(ratio=0.01).load_state_dict(state)
+
+
+def test_spike_guard_caps_a_100x_gradient_before_it_reaches_the_residual():
+    from horovod_topk.core.policy import SPIKE_GUARD_WARMUP_STEPS
+
+    comp = TopKEF(ratio=0.01, min_numel=0, spike_guard=3.0)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(SPIKE_GUARD_WARMUP_STEPS + 5):
+        _route(comp, torch.randn(2000, generator=gen), "w")
+    record = comp.registry.records["w"]
+    assert comp.stats()["guarded_steps"] == 0
+    level, before = record.gradient_level, record.residual.clone()
+    spike = 100 * torch.randn(2000, generator=gen)
+    out, _ = _route(comp, spike.clone(), "w")
+    assert comp.stats()["guarded_steps"] == 1
+    # what entered (sent + kept) is the spike scaled to 3x the running level of the gradient norm
+    entered = out.reshape(-1) + record.residual - before
+    torch.testing.assert_close(entered.norm(), torch.tensor(3 * level), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(entered / entered.norm(), spike / spike.norm(), rtol=1e-4, atol=1e-5)
+    state = comp.state_dict()["tensors"]["w"]
+    assert state["guarded_steps"] == 1 and state["gradient_level"] == record.gradient_level
