@@ -156,19 +156,10 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         )
         dense_nbytes = tensor.numel() * tensor.element_size()
         if self.config.spike_guard is not None and tensor.is_floating_point():
-            factor, record.gradient_level = spike_guard_scale(
-                float(tensor.float().norm()), record.gradient_level, self.config.spike_guard, record.steps
-            )
-            if factor < 1.0:  # in place, like clip_grad_norm_: the alias shares the gradient's storage
-                tensor.mul_(factor)
-                record.guarded_steps += 1
+            self._guard_spike(record, tensor)
         if not record.verified:
             record.verified = True
-            rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, plan.k)],
-                                dtype=torch.int64)
-            pending.check = AgreementCheck(
-                name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize
-            )
+            pending.check = self._agreement_check(name, record, tensor, plan.k, process_set)
         record.steps += 1
         record.bytes_dense += dense_nbytes
         if not plan.compressed:
@@ -217,6 +208,27 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         return TopKHandle(
             name, handle, synchronize, layout, world_size, wire_dtype, flat, tuple(tensor.shape), scale, kernels
         )
+
+    def _guard_spike(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
+        """TopKConfig.spike_guard: scale the gradient in place (like clip_grad_norm_; the alias shares its storage)
+        when its norm exceeds the guard times its running level."""
+        assert self.config.spike_guard is not None
+        factor, record.gradient_level = spike_guard_scale(
+            float(tensor.float().norm()), record.gradient_level, self.config.spike_guard, record.steps
+        )
+        if factor < 1.0:
+            tensor.mul_(factor)
+            record.guarded_steps += 1
+
+    def _agreement_check(
+        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, k: Optional[int], process_set: Any
+    ) -> "AgreementCheck":
+        """Start the fingerprint allgather of this tensor's first step (core.consistency)."""
+        from horovod.torch.mpi_ops import allgather_async, synchronize
+
+        rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, k)],
+                            dtype=torch.int64)
+        return AgreementCheck(name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize)
 
     def _state_buffers(
         self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor
