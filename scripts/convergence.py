@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["digits", "digits-noniid", "charlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup"]
+#: Measured on request (--methods), not part of the default table.
+EXTRA_METHODS = ["topk0.01-guard3"]
 
 
 def compression_for(method: str, warmup_steps: int):
@@ -42,6 +44,7 @@ def compression_for(method: str, warmup_steps: int):
         "fp16": hvd.Compression.fp16,
         "topk0.01": TopKEF(ratio=0.01),
         "topk0.001-warmup": TopKEF(ratio=0.001, warmup_steps=warmup_steps),
+        "topk0.01-guard3": TopKEF(ratio=0.01, spike_guard=3.0),
     }[method]
 
 
@@ -200,7 +203,7 @@ def summarize(out_dir: Path, tasks, methods, seeds, plot: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--no-plot", action="store_true")
