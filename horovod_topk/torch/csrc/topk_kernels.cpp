@@ -58,6 +58,9 @@ struct Candidates {
     r[i] = R(0);
   }
   void give_back(R* r, int64_t j) const { r[index[static_cast<size_t>(j)]] = value[static_cast<size_t>(j)]; }
+  void give_back_all(R* r) const {
+    for (int64_t j = 0; j < count; ++j) give_back(r, j);
+  }
 };
 
 // What one element goes through in the pass: compensate it (r += g, or DGC's u = m u + g; r += u) and zero the
@@ -323,7 +326,7 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
     // them; the other slots repeat the first, and a non-finite value added to itself stays non-finite): every
     // rank's average turns non-finite where this one's gradient was, as with a dense allreduce, and an AMP loss
     // scaler skips the step on every rank alike. The finite entries stay in the residual for later steps.
-    for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
+    cand.give_back_all(r);
     uint8_t* base = payload.data_ptr<uint8_t>();
     std::memset(base, 0, static_cast<size_t>(payload.numel()));
     int32_t* indices = reinterpret_cast<int32_t*>(base);
@@ -339,12 +342,12 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   const int64_t first_count = cand.count;
   for (int attempt = 0; cand.count < k && attempt < 8 && thr > R(0); ++attempt, ++scans) {
     thr = (attempt < 7) ? thr * R(0.7) : R(0);
-    for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
+    cand.give_back_all(r);
     cand.count = 0;
     compensate_and_collect<R, G>(r, g, u, m, n, thr, false, cand, bad);
   }
   if (cand.count < k) {  // still short at threshold 0: only NaNs in the residual (a loaded state) can do that
-    for (int64_t j = 0; j < cand.count; ++j) cand.give_back(r, j);
+    cand.give_back_all(r);
     cand.reset(n);
     for (int64_t i = 0; i < n; ++i) cand.take(r, i);
   }
