@@ -4,9 +4,11 @@
 Tasks (no synthetic data, no downloads):
   digits          scikit-learn's handwritten digits, the CNN of examples/digits_torch.py: test accuracy
   digits-noniid   the same, but worker 0 trains only on digits 0-4 and worker 1 only on 5-9
-  charlm          a byte-level GRU language model on the Python standard library's own source files (the *.py
-                  files of this interpreter's stdlib directory, sorted, first 2 MB; last 10% held out):
-                  validation loss and perplexity
+  charlm, gptlm   byte-level language models on the Python standard library's own source (scripts/lm_tasks.py):
+                  a GRU with Adam, and a small decoder-only transformer with AdamW, warm-up and cosine decay.
+                  Two budgets (--budget short|converged, steps in LM_BUDGETS); validation loss, steps to reach 1.01x
+                  dense's final validation loss (compressed methods run 1.5x the budget to find it), bytes handed to
+                  collectives
 Methods: dense allreduce, hvd.Compression.fp16, TopKEF ratio 0.01, TopKEF ratio 0.001 with sparsity warm-up.
 
 Each run is its own `horovodrun -np 2` job writing one JSON file; finished runs are skipped, so an interrupted
@@ -23,12 +25,12 @@ import json
 import math
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ["digits", "digits-noniid", "charlm"]
+TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup"]
 #: Measured on request (--methods), not part of the default table.
 EXTRA_METHODS = ["topk0.01-guard3"]
@@ -88,75 +90,68 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
     return {"metric": "test accuracy", "final": metric[-1], "curve": curve, "metric_curve": metric}
 
 
-def charlm_data(size: int = 2_000_000):
-    import torch
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py")))[:size]
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    cut = int(0.9 * len(data))
-    return data[:cut], data[cut:], f"{stdlib}/*.py (first {len(text)} bytes)"
+#: Language-model budgets in steps: "short" (the study's original 400-step charlm budget) and "converged" (dense's
+#: validation loss changes < 1% over the last 20% of the steps; checked by summarize and printed with the table).
+LM_BUDGETS = {"charlm": {"short": 400, "converged": 2000}, "gptlm": {"short": 400, "converged": 1600}}
+#: Compressed methods run this much longer than the budget, to find their steps to dense's target loss.
+OVERRUN = 1.5
 
 
-def charlm_run(method: str, seed: int, steps: int = 400, batch: int = 16, seq: int = 128) -> dict:
+def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
+    """One language-model run (scripts/lm_tasks.py) on real Horovod workers. Runs the budget, or 1.5x the budget
+    for a compressed method (the learning-rate schedule is the budget's; past it the rate stays at its floor), with
+    a validation point every budget/40 steps and the bytes this rank handed to collectives at each point."""
     import horovod.torch as hvd
     import torch
-    from torch import nn
 
-    class CharGRU(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(256, 64)
-            self.gru = nn.GRU(64, 256, batch_first=True)
-            self.out = nn.Linear(256, 256)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from lm_tasks import make_task
 
-        def forward(self, x):
-            return self.out(self.gru(self.embed(x))[0])
-
-    torch.manual_seed(seed)
-    train, valid, source = charlm_data()
-    model = CharGRU()
+    task = make_task(task_name)
+    budget_steps = LM_BUDGETS[task_name][budget]
+    steps = budget_steps if method in ("dense", "fp16") else int(OVERRUN * budget_steps)
+    every = max(10, budget_steps // 40)
+    model, base_opt, sched = task.build(seed, budget_steps)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3),
-                                   named_parameters=model.named_parameters(),
-                                   compression=compression_for(method, warmup_steps=steps // 4))
+    compression = compression_for(method, warmup_steps=budget_steps // 4)
+    opt = hvd.DistributedOptimizer(base_opt, named_parameters=model.named_parameters(), compression=compression)
+    dense_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
+    wire_bytes_per_step = dense_bytes_per_step // 2 if method == "fp16" else dense_bytes_per_step
     gen = torch.Generator().manual_seed(seed * 100 + hvd.rank())
-    vgen = torch.Generator().manual_seed(12345)
-    vstarts = torch.randint(0, len(valid) - seq - 1, (32,), generator=vgen)
-    vx = torch.stack([valid[i:i + seq] for i in vstarts])
-    vy = torch.stack([valid[i + 1:i + seq + 1] for i in vstarts])
-
-    def validate() -> float:
-        with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(vx).reshape(-1, 256), vy.reshape(-1)).item()
-
-    curve, metric = [], []
+    evals, valid, train, sent = [], [], [], []
     total = 0.0
     for step in range(1, steps + 1):
-        starts = torch.randint(0, len(train) - seq - 1, (batch,), generator=gen)
-        x = torch.stack([train[i:i + seq] for i in starts])
-        y = torch.stack([train[i + 1:i + seq + 1] for i in starts])
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        loss = task.loss(model, task.batch(gen))
         loss.backward()
         opt.step()
+        if sched is not None and step < budget_steps:
+            sched.step()
         total += loss.item()
-        if step % 50 == 0:
-            curve.append(hvd.allreduce(torch.tensor(total / 50), name="loss").item())
-            metric.append(validate())
+        if step % every == 0:
+            evals.append(step)
+            train.append(hvd.allreduce(torch.tensor(total / every), name="loss").item())
+            valid.append(task.validate(model))
+            stats = getattr(compression, "stats", None)
+            sent.append(stats()["bytes_sent"] if callable(stats) else wire_bytes_per_step * step)
             total = 0.0
-    return {"metric": "validation loss", "final": metric[-1], "perplexity": math.exp(metric[-1]), "curve": curve,
-            "metric_curve": metric, "corpus": source}
+    at_budget = evals.index(budget_steps) if budget_steps in evals else len(evals) - 1
+    return {"metric": "validation loss", "final": valid[at_budget], "perplexity": math.exp(valid[at_budget]),
+            "evals": evals, "metric_curve": valid, "curve": train, "bytes_sent": sent,
+            "bytes_dense_per_step": dense_bytes_per_step, "budget_steps": budget_steps, "corpus": task.source}
 
 
-def worker(task: str, method: str, seed: int, out: Path) -> None:
+def worker(task: str, method: str, seed: int, budget: str, out: Path) -> None:
     import horovod.torch as hvd
     import torch
 
     torch.set_num_threads(1)
     hvd.init()
     start = time.perf_counter()
-    result = charlm_run(method, seed) if task == "charlm" else digits_run(method, seed, task == "digits-noniid")
+    if task in LM_BUDGETS:
+        result = lm_run(task, method, seed, budget)
+    else:
+        result = digits_run(method, seed, task == "digits-noniid")
     result.update(task=task, method=method, seed=seed, seconds=time.perf_counter() - start)
     if hvd.rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,18 +160,61 @@ def worker(task: str, method: str, seed: int, out: Path) -> None:
         tmp.replace(out)  # atomic: a killed run leaves no half-written result behind
 
 
-def summarize(out_dir: Path, tasks, methods, seeds, plot: bool) -> None:
+def result_name(task: str, method: str, seed: int, budget: str) -> str:
+    return f"{task}-{budget}-{method}-{seed}.json" if task in LM_BUDGETS else f"{task}-{method}-{seed}.json"
+
+
+def steps_to_target(run: dict, target: float) -> Optional[int]:
+    """The first evaluated step at which the run's validation loss is at or below ``target`` (None: never)."""
+    for step, value in zip(run["evals"], run["metric_curve"]):
+        if value <= target:
+            return step
+    return None
+
+
+def mean_half(values: List[float]) -> str:
+    return f"{sum(values) / len(values):.4f} ± {(max(values) - min(values)) / 2:.4f}"
+
+
+def summarize(out_dir: Path, tasks, methods, seeds, budget: str, plot: bool) -> None:
+    load = {(t, m, s): json.loads((out_dir / result_name(t, m, s, budget)).read_text())
+            for t in tasks for m in methods for s in seeds}
     print("| task | metric | " + " | ".join(methods) + " |")
     print("|---|---|" + "---|" * len(methods))
     for task in tasks:
-        cells, metric = [], ""
-        for method in methods:
-            runs = [json.loads((out_dir / f"{task}-{method}-{s}.json").read_text()) for s in seeds]
-            finals = [r["final"] for r in runs]
-            metric = runs[0]["metric"]
-            mean, half = sum(finals) / len(finals), (max(finals) - min(finals)) / 2
-            cells.append(f"{mean:.4f} ± {half:.4f}")
+        metric = load[(task, methods[0], seeds[0])]["metric"]
+        cells = [mean_half([load[(task, m, s)]["final"] for s in seeds]) for m in methods]
         print(f"| {task} | {metric} | " + " | ".join(cells) + " |")
+    lm_tasks = [t for t in tasks if t in LM_BUDGETS]
+    if lm_tasks and "dense" in methods:
+        print(f"\nLanguage models, {budget} budget: steps to target (target = 1.01 x dense's final validation loss, "
+              f"mean over seeds; first evaluation at or below it, runs go to {OVERRUN}x the budget; "
+              f"'-' = not reached) and bytes handed to collectives per step relative to dense")
+        print("| task | budget | dense converged? | method | final validation loss | steps to target (per seed) "
+              "| steps / dense's | bytes / dense's |")
+        print("|---|---|---|---|---|---|---|---|")
+        for task in lm_tasks:
+            dense_runs = [load[(task, "dense", s)] for s in seeds]
+            target = 1.01 * sum(r["final"] for r in dense_runs) / len(dense_runs)
+            budget_steps = dense_runs[0]["budget_steps"]
+            # converged: dense's validation loss changed by < 1% over the last 20% of the budget
+            late = [r["metric_curve"][r["evals"].index(next(e for e in r["evals"] if e >= 0.8 * budget_steps))]
+                    for r in dense_runs]
+            change = (sum(late) - sum(r["final"] for r in dense_runs)) / sum(late)
+            dense_steps = [steps_to_target(r, target) for r in dense_runs]
+            dense_mean = sum(x for x in dense_steps if x) / max(1, sum(1 for x in dense_steps if x))
+            for method in methods:
+                runs = [load[(task, method, s)] for s in seeds]
+                reached = [steps_to_target(r, target) for r in runs]
+                per_seed = ", ".join(str(x) if x else "-" for x in reached)
+                ratio = (f"{sum(reached) / len(reached) / dense_mean:.2f}x" if all(reached) else
+                         f"> {OVERRUN:.1f}x")
+                at = [r["evals"].index(r["budget_steps"]) for r in runs]
+                nbytes = sum(r["bytes_sent"][i] / (r["bytes_dense_per_step"] * r["budget_steps"])
+                             for r, i in zip(runs, at)) / len(runs)
+                print(f"| {task} | {budget_steps} steps | {'yes' if change < 0.01 else 'no'} "
+                      f"({100 * change:.1f}% over the last 20%) | {method} | "
+                      f"{mean_half([r['final'] for r in runs])} | {per_seed} | {ratio} | {100 * nbytes:.2f}% |")
     if plot:
         import matplotlib
 
@@ -184,17 +222,36 @@ def summarize(out_dir: Path, tasks, methods, seeds, plot: bool) -> None:
         import matplotlib.pyplot as plt
 
         for task in tasks:
-            fig, ax = plt.subplots(figsize=(6, 4))
+            is_lm = task in LM_BUDGETS
+            panels = 2 if is_lm else 1
+            fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
             for method in methods:
-                curves = [json.loads((out_dir / f"{task}-{method}-{s}.json").read_text())["curve"] for s in seeds]
-                mean = [sum(v) / len(v) for v in zip(*curves)]
-                ax.plot(range(1, len(mean) + 1), mean, label=method)
-            ax.set_yscale("log")
-            ax.set_xlabel("epoch" if task != "charlm" else "x50 steps")
-            ax.set_ylabel("training loss (mean over seeds)")
-            ax.set_title(f"{task}: 2 workers")
-            ax.legend()
-            path = ROOT / "docs" / f"convergence_{task}.png"
+                runs = [load[(task, method, s)] for s in seeds]
+                if is_lm:
+                    n = min(len(r["evals"]) for r in runs)
+                    valid = [sum(r["metric_curve"][i] for r in runs) / len(runs) for i in range(n)]
+                    sent = [sum(r["bytes_sent"][i] for r in runs) / len(runs) / 1e6 for i in range(n)]
+                    axes[0][0].plot(runs[0]["evals"][:n], valid, label=method)
+                    axes[0][1].plot(sent, valid, label=method)
+                else:
+                    curves = [r["curve"] for r in runs]
+                    mean = [sum(v) / len(v) for v in zip(*curves)]
+                    axes[0][0].plot(range(1, len(mean) + 1), mean, label=method)
+            if is_lm:
+                axes[0][0].set_xlabel("step")
+                axes[0][0].set_ylabel("validation loss (mean over seeds)")
+                axes[0][1].set_xlabel("MB handed to collectives by rank 0")
+                axes[0][1].set_xscale("log")
+                axes[0][1].set_ylabel("validation loss (mean over seeds)")
+                axes[0][0].set_title(f"{task} ({budget} budget): 2 workers")
+            else:
+                axes[0][0].set_yscale("log")
+                axes[0][0].set_xlabel("epoch")
+                axes[0][0].set_ylabel("training loss (mean over seeds)")
+                axes[0][0].set_title(f"{task}: 2 workers")
+            axes[0][0].legend()
+            name = f"convergence_{task}-{budget}.png" if is_lm else f"convergence_{task}.png"
+            path = ROOT / "docs" / name
             path.parent.mkdir(exist_ok=True)
             fig.savefig(path, dpi=110, bbox_inches="tight")
             print(f"plot: {path.relative_to(ROOT)}")
@@ -205,6 +262,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--budget", default="short", choices=["short", "converged"],
+                        help="language-model budget (steps in LM_BUDGETS); the digits tasks always run 30 epochs")
     parser.add_argument("--out", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--worker", nargs=3, metavar=("TASK", "METHOD", "SEED"), help=argparse.SUPPRESS)
@@ -212,19 +271,19 @@ def main() -> None:
     out_dir = Path(args.out)
     if args.worker:
         task, method, seed = args.worker
-        worker(task, method, int(seed), out_dir / f"{task}-{method}-{seed}.json")
+        worker(task, method, int(seed), args.budget, out_dir / result_name(task, method, int(seed), args.budget))
         return
     runs = [(t, m, s) for t in args.tasks for m in args.methods for s in args.seeds]
     for n, (task, method, seed) in enumerate(runs, 1):
-        path = out_dir / f"{task}-{method}-{seed}.json"
+        path = out_dir / result_name(task, method, seed, args.budget)
         if not path.exists():
             subprocess.run(["horovodrun", "-np", "2", "-H", "localhost:2", sys.executable, __file__,
-                            "--worker", task, method, str(seed), "--out", str(out_dir)],
+                            "--worker", task, method, str(seed), "--budget", args.budget, "--out", str(out_dir)],
                            check=True, capture_output=True, text=True)
         r = json.loads(path.read_text())
         print(f"[{n}/{len(runs)}] {task:<14} {method:<17} seed {seed}: {r['metric']} {r['final']:.4f} "
               f"({r['seconds']:.0f} s)", flush=True)
-    summarize(out_dir, args.tasks, args.methods, args.seeds, plot=not args.no_plot)
+    summarize(out_dir, args.tasks, args.methods, args.seeds, args.budget, plot=not args.no_plot)
 
 
 if __name__ == "__main__":

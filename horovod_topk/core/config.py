@@ -10,13 +10,17 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES"]
+__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS"]
 
 #: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
 #: "exact": the framework's top-k over all entries (the reference).
 SELECTORS = ("sampled", "exact")
-#: What the values of a payload travel as; None keeps the gradient's own dtype.
-VALUE_DTYPES = (None, "float32", "float16", "bfloat16")
+#: What the values of a payload travel as; None keeps the gradient's own dtype. "float8" is e4m3 (3 mantissa bits)
+#: with one float32 scale per tensor and step (core.encoding).
+VALUE_DTYPES = (None, "float32", "float16", "bfloat16", "float8")
+#: How indices travel: 32-bit, or 16-bit offsets within segments of 65536 entries plus a count per segment
+#: (core.encoding).
+INDEX_BITS = (32, 16)
 
 #: Indices travel as int32 (4 bytes instead of 8 per selected entry), so a tensor compressed as one payload must
 #: have fewer than 2**31 elements. Larger tensors are refused by name rather than silently wrapped.
@@ -36,8 +40,13 @@ class TopKConfig:
             norm scales are tiny; for them the latency of an extra collective costs more than the bytes saved,
             and dense tensors stay eligible for Horovod's tensor fusion.
         selector (str): "sampled" (default) or "exact"; see SELECTORS.
-        value_dtype (str, optional): send values as "float16"/"bfloat16" (6 bytes per entry instead of 8); the
-            rounding error stays in the residual, so nothing is lost. None sends the gradient's dtype.
+        value_dtype (str, optional): send values as "float16"/"bfloat16" (2 bytes) or "float8" (1 byte: e4m3 with
+            one float32 scale per tensor and step) instead of the gradient's 4; the rounding error stays in the
+            residual, so nothing is lost. None sends the gradient's dtype.
+        index_bits (int): 32 (default) sends int32 indices; 16 sends each index as a 16-bit offset within its
+            segment of 65536 entries, plus one int32 count per segment (4 bytes per 65536 entries): 2 bytes per
+            entry instead of 4. With value_dtype="float8" an entry costs 3 bytes instead of 8, so the same bytes
+            carry 2.7x the entries -- what Adam-trained language models need (README, "Convergence").
         dense_fallback (bool): send a tensor dense when the allgather would hand over more bytes than a ring
             allreduce: P * k * (4 + value bytes) > 2 * (P - 1) / P * N * (gradient bytes). Default True.
         warmup_steps (int): sparsity warm-up (DGC): over the first W steps of each tensor the ratio decays
@@ -58,6 +67,7 @@ class TopKConfig:
     min_numel: int = 1024
     selector: str = "sampled"
     value_dtype: Optional[str] = None
+    index_bits: int = 32
     dense_fallback: bool = True
     warmup_steps: int = 0
     momentum: float = 0.0
@@ -76,6 +86,8 @@ class TopKConfig:
             raise ValueError(f"selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
         if self.value_dtype not in VALUE_DTYPES:
             raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype!r}")
+        if isinstance(self.index_bits, bool) or self.index_bits not in INDEX_BITS:
+            raise ValueError(f"index_bits must be one of {INDEX_BITS}, got {self.index_bits!r}")
         if not isinstance(self.dense_fallback, bool):
             raise ValueError(f"dense_fallback must be True or False, got {self.dense_fallback!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -107,7 +119,8 @@ class TopKConfig:
         defaults = TopKConfig()
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
-            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum", "spike_guard")
+            for name in ("selector", "value_dtype", "index_bits", "dense_fallback", "warmup_steps", "momentum",
+                         "spike_guard")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

@@ -19,13 +19,13 @@ from .config import VALUE_DTYPES, TopKConfig
 
 __all__ = ["FINGERPRINT_LENGTH", "RankMismatch", "fingerprint", "mismatch_message", "check_name"]
 
-_VERSION = 1
+_VERSION = 2
 _MAX_DIMS = 8
 #: Element dtypes by the names both frameworks print ("float32", not "torch.float32"); others encode as -1.
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 #: The fields of a fingerprint, in order; the shape takes the last _MAX_DIMS + 1 slots (ndim, then the dims).
-_FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "dense_fallback", "warmup_steps", "momentum",
-           "dtype", "numel", "step", "decision")
+_FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "index_bits", "dense_fallback", "warmup_steps",
+           "momentum", "dtype", "numel", "step", "decision")
 FINGERPRINT_LENGTH = len(_FIELDS) + 1 + _MAX_DIMS
 
 
@@ -70,6 +70,7 @@ def fingerprint(
         -1 if config.k is None else int(config.k),
         int(config.min_numel),
         VALUE_DTYPES.index(config.value_dtype),
+        int(config.index_bits),
         int(config.dense_fallback),
         int(config.warmup_steps),
         _float_bits(config.momentum),

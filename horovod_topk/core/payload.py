@@ -4,6 +4,16 @@ Layout of a rank's payload (little-endian, as every platform Horovod runs on):
 
     [ k int32 indices | pad to the value size | k values | pad to 8 bytes ]
 
+or, with the compact options (TopKConfig.index_bits=16 and/or value_dtype="float8"):
+
+    [ float32 scale, pad to 8 (float8 only) | S int32 counts (16-bit indices only) | k indices | pad | k values | pad ]
+
+With 16-bit indices the tensor is cut into S = ceil(N / 65536) segments; the entries are sent sorted by index, each
+as its offset within its segment, and ``counts[s]`` says how many belong to segment s, so a receiver recovers
+index = 65536 * segment + offset. That halves the index bytes for 4 bytes per 65536 entries, and keeps the payload's
+size fixed (k, N and the options alone decide it: no rank waits on a size it cannot predict). float8 values are
+e4m3 numbers times the one scale of the tensor's payload (its largest finite magnitude / 448, e4m3's largest).
+
 One buffer instead of two collectives halves the per-tensor latency and keeps indices and values of one rank
 together. Shipping raw bytes (uint8) also lets values travel in dtypes Horovod's allgather does not know
 (bfloat16). Every row of the gathered (P, nbytes) buffer starts 8-byte aligned, so the framework adapters can view
@@ -13,10 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PayloadLayout", "INDEX_ITEMSIZE", "ALIGNMENT", "PayloadSizeMismatch"]
+__all__ = ["PayloadLayout", "INDEX_ITEMSIZE", "ALIGNMENT", "PayloadSizeMismatch", "SEGMENT_BITS", "FLOAT8_MAX"]
 
 INDEX_ITEMSIZE = 4
 ALIGNMENT = 8
+#: 16-bit indices are offsets within segments of 2**SEGMENT_BITS entries.
+SEGMENT_BITS = 16
+#: The largest finite float8 e4m3 ("fn") number: a payload's scale maps its largest magnitude there.
+FLOAT8_MAX = 448.0
 
 
 def _align_up(nbytes: int, alignment: int) -> int:
@@ -29,24 +43,66 @@ class PayloadSizeMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class PayloadLayout:
-    """Byte offsets of the indices and values of a k-entry payload with values of ``value_itemsize`` bytes."""
+    """Byte offsets of the parts of a k-entry payload with values of ``value_itemsize`` bytes.
+
+    ``index_bits`` 16 (with ``numel``, the tensor's size) selects segmented 16-bit indices; ``scaled`` a float32
+    scale in front (float8 values). The defaults are the plain layout.
+    """
 
     k: int
     value_itemsize: int
+    numel: int = 0
+    index_bits: int = 32
+    scaled: bool = False
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"a payload needs k >= 1, got {self.k}")
         if self.value_itemsize not in (1, 2, 4, 8):
             raise ValueError(f"value_itemsize must be 1, 2, 4 or 8 bytes, got {self.value_itemsize}")
+        if self.index_bits not in (16, 32):
+            raise ValueError(f"index_bits must be 16 or 32, got {self.index_bits}")
+        if self.index_bits == 16 and self.numel < self.k:
+            raise ValueError(f"16-bit indices need the tensor's size (numel={self.numel}) to be at least k={self.k}")
+
+    @property
+    def scale_nbytes(self) -> int:
+        """The float32 scale of float8 values, padded to 8 bytes; 0 without."""
+        return ALIGNMENT if self.scaled else 0
+
+    @property
+    def segments(self) -> int:
+        """How many 65536-entry segments carry a count (16-bit indices); 0 for int32 indices."""
+        return -(-self.numel // (1 << SEGMENT_BITS)) if self.index_bits == 16 else 0
+
+    @property
+    def counts_offset(self) -> int:
+        return self.scale_nbytes
+
+    @property
+    def index_itemsize(self) -> int:
+        return self.index_bits // 8
+
+    @property
+    def indices_offset(self) -> int:
+        return self.counts_offset + 4 * self.segments
+
+    @property
+    def indices_end(self) -> int:
+        return self.indices_offset + self.k * self.index_itemsize
 
     @property
     def indices_nbytes(self) -> int:
-        return self.k * INDEX_ITEMSIZE
+        return self.k * self.index_itemsize
+
+    @property
+    def compact(self) -> bool:
+        """Whether this is not the plain [int32 indices | values] layout."""
+        return self.index_bits != 32 or self.scaled
 
     @property
     def values_offset(self) -> int:
-        return _align_up(self.indices_nbytes, max(self.value_itemsize, INDEX_ITEMSIZE))
+        return _align_up(self.indices_end, max(self.value_itemsize, self.index_itemsize))
 
     @property
     def values_nbytes(self) -> int:
@@ -75,6 +131,11 @@ class PayloadLayout:
         return (
             f"horovod-topk: ranks disagree about tensor {tensor_name!r}: received {gathered_nbytes} payload bytes "
             f"from {world_size} ranks, but this rank expects {world_size} x {self.nbytes} (k={self.k}, "
-            f"{self.value_itemsize}-byte values). Check that every rank uses the same TopKEF configuration and "
+            f"{self.index_bits}-bit indices, {self.value_itemsize}-byte values). Check that every rank uses the same TopKEF configuration and "
             f"the same model."
         )
+
+
+def payload_layout(k: int, numel: int, value_itemsize: int, index_bits: int = 32, scaled: bool = False) -> PayloadLayout:
+    """The layout of a k-entry payload of an N-element tensor under the given options (see the module docstring)."""
+    return PayloadLayout(k, value_itemsize, numel if index_bits == 16 else 0, index_bits, scaled)

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
+from .payload import payload_layout
 
 __all__ = [
     "TensorPlan",
     "selected_count",
     "plan_tensor",
     "warmup_ratio",
+    "tensor_payload_layout",
     "allgather_nbytes",
     "ring_allreduce_nbytes",
     "sample_size",
@@ -67,6 +69,12 @@ def warmup_ratio(config: TopKConfig, numel: int, step: int) -> float:
     return float(target ** (step / config.warmup_steps))
 
 
+def tensor_payload_layout(config: TopKConfig, k: int, numel: int, value_itemsize: int):
+    """The payload layout (core.payload) of k entries of an N-element tensor under ``config``'s wire options;
+    ``value_itemsize`` is the bytes of a value on the wire (1 for float8)."""
+    return payload_layout(k, numel, value_itemsize, config.index_bits, config.value_dtype == "float8")
+
+
 def allgather_nbytes(world_size: int, k: int, entry_nbytes: int) -> int:
     """Bytes each rank receives in an allgather of P payloads of k entries (its own included, as Horovod does)."""
     return world_size * k * entry_nbytes
@@ -109,7 +117,7 @@ def plan_tensor(
     ratio = warmup_ratio(config, numel, step)
     k = max(1, min(numel, math.ceil(ratio * numel - 1e-9))) if config.warmup_steps else selected_count(numel, config)
     if config.dense_fallback and world_size > 1:
-        sparse = allgather_nbytes(world_size, k, 4 + value_itemsize)
+        sparse = world_size * tensor_payload_layout(config, k, numel, value_itemsize).nbytes
         if sparse > ring_allreduce_nbytes(world_size, numel, grad_itemsize):
             return TensorPlan(numel, None, f"dense is cheaper at k={k} ({sparse} allgather bytes)")
     return TensorPlan(numel, k, "top-k")

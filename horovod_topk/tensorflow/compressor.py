@@ -53,6 +53,9 @@ class TopKEF(TopKEFBase[Any]):
                              "(PyTorch only)")
         if self.config.spike_guard is not None:
             raise ValueError("horovod-topk: spike_guard is not supported by the TensorFlow TopKEF yet (PyTorch only)")
+        if self.config.index_bits != 32 or self.config.value_dtype == "float8":
+            raise ValueError("horovod-topk: the compact encoding (index_bits=16, value_dtype='float8') is not "
+                             "supported by the TensorFlow TopKEF yet (PyTorch only)")
         #: Per tensor name: the residual variable and the counter variable (see _counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.

@@ -28,12 +28,13 @@ from ..core import (
     reduction_scale,
     sample_size,
 )
-from ..core.policy import residual_world_factor, spike_guard_scale
-from . import ops
+from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
+from . import encoding, ops
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
 
-_WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float8": encoding.FLOAT8}
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +100,10 @@ class TopKHandle:
             gathered = self._wait(self._allgather_handle)
             self._layout.check_gathered(self.name, gathered.numel(), self._world_size)
             flat = self._out.view(-1)
-            if self._kernels is not None and flat.device.type == "cpu":
+            if self._layout.compact:
+                indices, values = encoding.decode(gathered, self._world_size, self._layout, self._value_dtype)
+                flat.copy_(ops.scatter_sum(indices, values * self._scale, flat.numel(), ops.residual_dtype(flat.dtype)))
+            elif self._kernels is not None and flat.device.type == "cpu":
                 self._kernels.decompress(
                     gathered, self._world_size, self._layout.k, self._layout.values_offset, self._layout.nbytes,
                     _dtype_token(self._value_dtype), self._scale, flat,
@@ -181,28 +185,35 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             residual.mul_(world_factor)
         record.world_size = world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        layout = PayloadLayout(plan.k, _dtype_token(wire_dtype).element_size())
+        layout = tensor_payload_layout(self.config, plan.k, flat.numel(), _dtype_token(wire_dtype).element_size())
+        # The selection writes the plain layout; the compact options re-encode its pairs (float8 values are selected
+        # exactly, the encoder puts float8's rounding back into the residual).
+        select_dtype = torch.float32 if layout.scaled else wire_dtype
+        plain = PayloadLayout(plan.k, _dtype_token(select_dtype).element_size()) if layout.compact else layout
         kernels = self._kernels(tensor)
         # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer,
         # on both paths: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
         if kernels is not None:
-            payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+            payload = torch.empty(plain.nbytes, dtype=torch.uint8)
             first_count = kernels.compress(
-                residual, flat, momentum_buffer, self.config.momentum, plan.k, layout.values_offset, payload,
-                _dtype_token(wire_dtype), sample_size(plan.k, flat.numel()), record.steps,
+                residual, flat, momentum_buffer, self.config.momentum, plan.k, plain.values_offset, payload,
+                _dtype_token(select_dtype), sample_size(plan.k, flat.numel()), record.steps,
             )[0]
             record.nonfinite_steps += first_count < 0
         else:
             selection = ops.compensate_nonfinite(
-                flat, residual, plan.k, wire_dtype, momentum_buffer, self.config.momentum
+                flat, residual, plan.k, select_dtype, momentum_buffer, self.config.momentum
             )
             if selection is None:
                 selection = ops.compensate_and_select(
-                    flat, residual, plan.k, wire_dtype, momentum_buffer, self.config.momentum
+                    flat, residual, plan.k, select_dtype, momentum_buffer, self.config.momentum
                 )
             else:
                 record.nonfinite_steps += 1
-            payload = ops.pack(*selection, layout)
+            payload = ops.pack(*selection, plain)
+        if layout.compact:
+            indices, values = ops.unpack(payload, 1, plain, select_dtype)
+            payload = encoding.encode(indices[0], values[0], residual, layout)
         record.bytes_sent += layout.nbytes
         handle = allgather_async(payload, name=allgather_name(name), process_set=process_set)
         return TopKHandle(

@@ -71,6 +71,19 @@ def test_new_options_are_validated_by_name():
         TopKConfig(momentum=1.0)
     with pytest.raises(ValueError, match="dense_fallback"):
         TopKConfig(dense_fallback="yes")
+    for bad in (8, 64, "16", True):
+        with pytest.raises(ValueError, match="index_bits"):
+            TopKConfig(index_bits=bad)
+    assert "index_bits=16" in TopKConfig(index_bits=16, value_dtype="float8").describe()
+
+
+def test_compact_encoding_moves_the_crossover():
+    """3 bytes per entry (16-bit indices, float8 values): on 2 workers dense is cheaper only from k > 2N/3."""
+    n, world = 200_000, 2
+    compact = dict(index_bits=16, value_dtype="float8")
+    assert plan_tensor("w", n, True, TopKConfig(ratio=0.66, **compact), world_size=world, value_itemsize=1).compressed
+    assert not plan_tensor("w", n, True, TopKConfig(ratio=0.67, **compact), world_size=world,
+                           value_itemsize=1).compressed
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -37,3 +37,10 @@ def test_dtypes_of_both_frameworks_encode_alike():
 
     config = TopKConfig()
     assert fingerprint(config, (8,), TfLikeDtype(), 0, None) == fingerprint(config, (8,), "torch.bfloat16", 0, None)
+
+
+def test_the_wire_encoding_is_part_of_the_agreement():
+    a = fingerprint(TopKConfig(), (70000,), "float32", 0, 700)
+    b = fingerprint(TopKConfig(index_bits=16, value_dtype="float8"), (70000,), "float32", 0, 700)
+    message = mismatch_message("w", [a, b])
+    assert "index_bits (rank 0: 32, rank 1: 16)" in message and "'float8'" in message

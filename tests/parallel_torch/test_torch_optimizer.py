@@ -101,7 +101,20 @@ def test_process_set():
     assert differs(ours, global_run), "a one-rank process set must not average with the other rank"
 
 
-@pytest.mark.parametrize("options", [{}, {"selector": "exact"}, {"value_dtype": "float16"}])
+@pytest.mark.parametrize("option", ["named", "groups_list", "op_sum", "two_backward_passes"])
+def test_ratio_one_with_16_bit_indices_matches_plain_horovod(option):
+    """The compact index encoding carries exactly the same entries: at ratio 1.0 training equals plain Horovod."""
+    kwargs = OPTIONS[option]
+    plain = train(hvd.Compression.none, **kwargs)
+    compressor = TopKEF(**EVERYTHING, index_bits=16)
+    ours = train(compressor, **kwargs)
+    assert_same_params(ours, plain)
+    assert compressor.stats()["tensors_compressed"] >= 8
+
+
+@pytest.mark.parametrize("options", [{}, {"selector": "exact"}, {"value_dtype": "float16"},
+                                     {"index_bits": 16, "value_dtype": "float8"},
+                                     {"index_bits": 16, "value_dtype": "float8", "selector": "exact"}])
 def test_error_feedback_invariant_at_one_percent(options):
     """Per tensor: sum of all ranks' gradients == P * sum of averaged (sent) gradients + sum of residuals."""
     compressor = TopKEF(ratio=0.01, **options)

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Screen gradient compressors on the language-model tasks quickly: P data-parallel workers simulated in one process.
+
+Every worker's gradient is computed on its own batch from the same replica (what data-parallel training with
+identical replicas computes), each worker compresses its own gradient with its own error-feedback residual, and the
+average of what the workers sent is applied by the user's optimizer: the arithmetic of a P-worker Horovod job
+without processes or collectives, so a method can be screened in a fraction of a real run's time. The real numbers
+come from scripts/convergence.py (real Horovod workers, the real TopKEF); this script is for deciding what to
+measure there.
+
+    python scripts/compression_sim.py --task charlm --steps 400 --methods dense topk:0.01 block:16:2:1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from lm_tasks import LMTask, make_task  # noqa: E402
+
+
+# ---- compressors: (accumulated tensor) -> (sent tensor); the caller keeps acc - sent as the residual -------------
+def topk(acc: torch.Tensor, ratio: float, value_bits: int) -> torch.Tensor:
+    k = max(1, math.ceil(ratio * acc.numel()))
+    idx = acc.abs().topk(k, sorted=False).indices
+    sent = torch.zeros_like(acc)
+    vals = acc[idx]
+    sent[idx] = quantize(vals, value_bits)
+    return sent
+
+
+def quantize(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Values on the wire: 32 exact; 16 fp16; 1 sign x mean magnitude; else symmetric uniform with absmax scale."""
+    if bits == 32 or values.numel() == 0:
+        return values
+    if bits == 16:
+        return values.half().float()
+    if bits == 1:
+        return values.sign() * values.abs().mean()
+    if bits == 8:  # float8 e4m3 with a per-tensor scale that maps the largest magnitude to e4m3's largest (448)
+        scale = values.abs().max() / 448.0
+        if scale == 0:
+            return values
+        return (values / scale).to(torch.float8_e4m3fn).float() * scale
+    levels = 2 ** (bits - 1) - 1  # e.g. 4 bits: symmetric uniform
+    scale = values.abs().max() / levels
+    if scale == 0:
+        return values
+    return torch.round(values / scale).clamp(-levels, levels) * scale
+
+
+def block_topm(acc: torch.Tensor, block: int, m: int, value_bits: int) -> torch.Tensor:
+    """Top-m magnitudes of every block of ``block`` consecutive entries (the tail padded)."""
+    n = acc.numel()
+    nb = -(-n // block)
+    padded = torch.zeros(nb * block, dtype=acc.dtype)
+    padded[:n] = acc
+    rows = padded.view(nb, block)
+    idx = rows.abs().topk(m, dim=1, sorted=False).indices
+    picked = rows.gather(1, idx)
+    q = quantize(picked.reshape(-1), value_bits).view_as(picked)
+    sent = torch.zeros_like(rows).scatter_(1, idx, q)
+    return sent.view(-1)[:n]
+
+
+def powersgd(accs: List[torch.Tensor], shape: torch.Size, rank: int, state: dict, key: int) -> torch.Tensor:
+    """PowerSGD (Vogels et al. 2019), one power iteration with the previous Q warm-started: every worker's
+    accumulator as a matrix M_w (rows = dim 0); P = mean_w M_w Q, orthonormalised; Q = mean_w M_w^T P; every worker
+    applies P Q^T (the same for all) and keeps M_w - P Q^T. Two allreduces of r (n + m) numbers per matrix."""
+    n = shape[0]
+    m = accs[0].numel() // n
+    r = min(rank, n, m)
+    q = state.get(key)
+    if q is None:
+        q = torch.randn(m, r, generator=torch.Generator().manual_seed(key))
+    mats = [a.view(n, m) for a in accs]
+    p = sum(mw @ q for mw in mats) / len(mats)
+    p, _ = torch.linalg.qr(p)
+    q = sum(mw.t() @ p for mw in mats) / len(mats)
+    state[key] = q
+    return (p @ q.t()).reshape(-1)
+
+
+def make_method(spec: str) -> Dict[str, object]:
+    """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' ; bytes per entry/coordinate too."""
+    parts = spec.split(":")
+    kind = parts[0]
+    if kind == "dense":
+        return {"fn": None, "bytes_per_coord": 4.0}
+    if kind == "topk":
+        ratio = float(parts[1])
+        vbits = int(parts[2]) if len(parts) > 2 else 32
+        ibits = int(parts[3]) if len(parts) > 3 else 32  # 16: sorted indices sent as 16-bit gaps
+        return {"fn": lambda a: topk(a, ratio, vbits), "bytes_per_coord": ratio * (ibits + vbits) / 8}
+    if kind == "block":
+        block, m, vbits = int(parts[1]), int(parts[2]), int(parts[3])
+        idx_bits = max(1, math.ceil(math.log2(block))) if m < block else 0
+        return {"fn": lambda a: block_topm(a, block, m, vbits), "bytes_per_coord": m / block * (idx_bits + vbits) / 8}
+    if kind == "powersgd":
+        # rank chosen per matrix so that r (n + m) ~= FRACTION * n m: equal bytes to other methods
+        fraction = float(parts[1])
+        state: dict = {}
+
+        def joint(accs, shape, key):
+            n = shape[0]
+            m = accs[0].numel() // n
+            rank = max(1, round(fraction * n * m / (n + m)))
+            return powersgd(accs, shape, rank, state, key), 4 * min(rank, n, m) * (n + m)
+        return {"joint": joint}
+    if kind == "sign":
+        return {"fn": lambda a: quantize(a, 1), "bytes_per_coord": 1 / 8}
+    raise ValueError(f"unknown method {spec!r}")
+
+
+def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel: int = 1024) -> dict:
+    """One simulated run. ``spec`` is a method (make_method), optionally followed by '@dense=a,b': parameters
+    whose names contain a or b go dense (a diagnosis of which tensors the compression hurts)."""
+    method_spec, _, extra = spec.partition("@dense=")
+    method = make_method(method_spec)
+    dense_names = [x for x in extra.split(",") if x]
+    model, opt, sched = task.build(seed, steps)
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for p in model.parameters()]
+    residuals = [[torch.zeros(p.numel()) for p in params] for _ in range(workers)]
+    gens = [torch.Generator().manual_seed(seed * 100 + w) for w in range(workers)]
+    bytes_sent = 0.0
+    bytes_dense = 0.0
+    curve: List[float] = []
+    evals: List[int] = []
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        grads = []
+        for w in range(workers):
+            model.zero_grad(set_to_none=True)
+            task.loss(model, task.batch(gens[w])).backward()
+            grads.append([p.grad.reshape(-1).clone() for p in params])
+        for i, p in enumerate(params):
+            numel = p.numel()
+            bytes_dense += 4 * numel * workers
+            forced_dense = any(d in names[i] for d in dense_names)
+            if "joint" not in method and method["fn"] is None or numel < min_numel or forced_dense:
+                p.grad = (sum(g[i] for g in grads) / workers).view_as(p)
+                bytes_sent += 4 * numel * workers
+                continue
+            accs = [residuals[w][i].add_(grads[w][i]) for w in range(workers)]
+            if "joint" in method:
+                applied, nbytes = method["joint"](accs, p.shape, i)
+                for a in accs:
+                    a -= applied
+                bytes_sent += nbytes * workers
+            else:
+                sent = [method["fn"](a) for a in accs]
+                for a, s_ in zip(accs, sent):
+                    a -= s_
+                applied = sum(sent) / workers
+                bytes_sent += method["bytes_per_coord"] * numel * workers
+            p.grad = applied.view_as(p)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if step % task.eval_every == 0 or step == steps:
+            curve.append(task.validate(model))
+            evals.append(step)
+    return {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve, "final": curve[-1],
+            "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="charlm")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--methods", nargs="+", default=["dense", "topk:0.01"])
+    parser.add_argument("--out", default=str(ROOT / "results" / "sim"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    task = make_task(args.task)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in args.methods:
+        for seed in args.seeds:
+            path = out / f"{args.task}-{args.steps}-{spec.replace(':', '_')}-{seed}.json"
+            if path.exists():
+                r = json.loads(path.read_text())
+            else:
+                r = run(task, spec, seed, args.steps, args.workers)
+                path.write_text(json.dumps(r))
+            print(f"{args.task} {args.steps} {spec:<22} seed {seed}: valid {r['final']:.4f}  bytes "
+                  f"{100 * r['bytes_fraction']:.2f}% of dense  ({r['seconds']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
