@@ -9,7 +9,8 @@ Tasks (no synthetic data, no downloads):
                   Two budgets (--budget short|converged, steps in LM_BUDGETS); validation loss, steps to reach 1.01x
                   dense's final validation loss (compressed methods run 1.5x the budget to find it), bytes handed to
                   collectives
-Methods: dense allreduce, hvd.Compression.fp16, TopKEF ratio 0.01, TopKEF ratio 0.001 with sparsity warm-up.
+Methods: dense allreduce, hvd.Compression.fp16, TopKEF ratio 0.01, TopKEF ratio 0.001 with sparsity warm-up, and the
+compact encoding at the same bytes (ratio 0.025 and 0.0025 with index_bits=16, value_dtype="float8").
 
 Each run is its own `horovodrun -np 2` job writing one JSON file; finished runs are skipped, so an interrupted
 study resumes where it stopped. One line per finished run ([k/N] ...), then a table (mean ± half range over
@@ -31,9 +32,9 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
-METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup"]
+METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
-EXTRA_METHODS = ["topk0.01-guard3"]
+EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267"]
 
 
 def compression_for(method: str, warmup_steps: int):
@@ -47,6 +48,11 @@ def compression_for(method: str, warmup_steps: int):
         "topk0.01": TopKEF(ratio=0.01),
         "topk0.001-warmup": TopKEF(ratio=0.001, warmup_steps=warmup_steps),
         "topk0.01-guard3": TopKEF(ratio=0.01, spike_guard=3.0),
+        # 16-bit indices + float8 values: 3 bytes per entry, so ratio 0.025 sends 0.075 bytes per parameter, a
+        # little less than ratio 0.01 with 8-byte entries (0.08): the same budget, 2.5x the entries
+        "compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8"),
+        "compact0.0025-warmup": TopKEF(ratio=0.0025, index_bits=16, value_dtype="float8", warmup_steps=warmup_steps),
+        "topk0.0267": TopKEF(ratio=0.0267),  # the entries of compact0.025's budget, at 8 bytes each (2.7x its bytes)
     }[method]
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PayloadLayout", "INDEX_ITEMSIZE", "ALIGNMENT", "PayloadSizeMismatch", "SEGMENT_BITS", "FLOAT8_MAX"]
+__all__ = ["PayloadLayout", "INDEX_ITEMSIZE", "ALIGNMENT", "PayloadSizeMismatch", "SEGMENT_BITS", "FLOAT8_MAX",
+           "float8_e4m3_values", "payload_layout"]
 
 INDEX_ITEMSIZE = 4
 ALIGNMENT = 8
@@ -31,6 +32,23 @@ ALIGNMENT = 8
 SEGMENT_BITS = 16
 #: The largest finite float8 e4m3 ("fn") number: a payload's scale maps its largest magnitude there.
 FLOAT8_MAX = 448.0
+
+
+def float8_e4m3_values() -> list:
+    """The number each of the 256 float8 e4m3fn bytes stands for (sign bit, 4 exponent bits with bias 7, 3 mantissa
+    bits; exponent 0 is subnormal; 0x7F and 0xFF are NaN; no infinities) -- the table a framework without a float8
+    bitcast decodes with, so both frameworks put the same bytes on the wire."""
+    values = []
+    for byte in range(256):
+        sign = -1.0 if byte & 0x80 else 1.0
+        exponent, mantissa = (byte >> 3) & 0xF, byte & 0x7
+        if byte & 0x7F == 0x7F:
+            values.append(float("nan"))
+        elif exponent == 0:
+            values.append(sign * mantissa * 2.0 ** -9)
+        else:
+            values.append(sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return values
 
 
 def _align_up(nbytes: int, alignment: int) -> int:

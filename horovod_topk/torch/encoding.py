@@ -47,7 +47,9 @@ def encode(indices: torch.Tensor, values: torch.Tensor, residual: torch.Tensor, 
         finite = torch.isfinite(exact)
         largest = torch.where(finite, exact.abs(), torch.zeros((), dtype=exact.dtype, device=exact.device)).max()
         scale = torch.where(largest > 0, largest / FLOAT8_MAX, torch.ones((), dtype=exact.dtype, device=exact.device))
-        scaled = torch.where(finite, exact / scale, torch.full((), float("nan"), dtype=exact.dtype, device=exact.device))
+        # clipped: largest / scale can round a hair above 448, and casts past it are not saturating everywhere
+        scaled = torch.where(finite, (exact / scale).clamp(-FLOAT8_MAX, FLOAT8_MAX),
+                             torch.full((), float("nan"), dtype=exact.dtype, device=exact.device))
         wire = scaled.to(FLOAT8)
         back = wire.to(exact.dtype) * scale
         residual.index_add_(0, indices, torch.where(finite, exact - back, torch.zeros_like(exact)))
