@@ -27,11 +27,13 @@ from ..core import (
     reduction_scale,
     sample_size,
 )
-from . import ops
+from ..core.policy import tensor_payload_layout
+from . import encoding, ops
 
 __all__ = ["TopKEF"]
 
-_WIRE_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
+_WIRE_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
+                "float8": tf.dtypes.experimental.float8_e4m3fn}
 
 
 class TopKEF(TopKEFBase[Any]):
@@ -53,9 +55,6 @@ class TopKEF(TopKEFBase[Any]):
                              "(PyTorch only)")
         if self.config.spike_guard is not None:
             raise ValueError("horovod-topk: spike_guard is not supported by the TensorFlow TopKEF yet (PyTorch only)")
-        if self.config.index_bits != 32 or self.config.value_dtype == "float8":
-            raise ValueError("horovod-topk: the compact encoding (index_bits=16, value_dtype='float8') is not "
-                             "supported by the TensorFlow TopKEF yet (PyTorch only)")
         #: Per tensor name: the residual variable and the counter variable (see _counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.
@@ -122,11 +121,17 @@ class TopKEF(TopKEFBase[Any]):
         assert plan.k is not None
         residual = self._residual(name, record, numel, ops.residual_dtype(tensor.dtype))
         samples = sample_size(plan.k, numel) if self.config.selector == "sampled" else 0
+        layout = tensor_payload_layout(self.config, plan.k, numel, wire_dtype.size)
+        # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
+        select_dtype = ops.residual_dtype(tensor.dtype) if layout.scaled else wire_dtype
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
-        indices, values, new_residual, finite = ops.error_feedback_step(tensor, residual, plan.k, wire_dtype, samples)
-        layout = PayloadLayout(plan.k, wire_dtype.size)
-        with tf.control_dependencies([residual.assign(new_residual)]):
+        indices, values, new_residual, finite = ops.error_feedback_step(tensor, residual, plan.k, select_dtype, samples)
+        if layout.compact:
+            payload, new_residual = encoding.encode(indices, values, new_residual, layout)
+        else:
             payload = ops.pack(indices, values, layout)
+        with tf.control_dependencies([residual.assign(new_residual)]):
+            payload = tf.identity(payload)
         gathered = allgather(payload, name=allgather_name(name), ignore_name_scope=True, process_set=process_set)
         checks = [
             tf.debugging.assert_equal(
@@ -136,7 +141,8 @@ class TopKEF(TopKEFBase[Any]):
                                           tf.constant(dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64)])),
         ]
         with tf.control_dependencies(checks):
-            all_indices, all_values = ops.unpack(gathered, world_size, layout, wire_dtype)
+            unpack = encoding.decode if layout.compact else ops.unpack
+            all_indices, all_values = unpack(gathered, world_size, layout, wire_dtype)
         dense = ops.scatter_sum(all_indices, all_values, numel, ops.residual_dtype(tensor.dtype))
         if scale != 1.0:
             dense = dense * tf.cast(scale, dense.dtype)

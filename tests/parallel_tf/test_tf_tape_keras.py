@@ -47,7 +47,18 @@ def test_indexed_slices_keep_horovods_own_path():
     assert (32, 64) in shapes and (64, 32) in shapes
 
 
-@pytest.mark.parametrize("options", [{}, {"selector": "exact"}, {"value_dtype": "float16"}])
+@pytest.mark.parametrize("option", ["function", "eager", "op_sum"])
+def test_tape_ratio_one_with_16_bit_indices_matches_plain_horovod(option):
+    kwargs = OPTIONS[option]
+    plain = train_tape(hvd.Compression.none, **kwargs)
+    compressor = TopKEF(**EVERYTHING, index_bits=16)
+    ours = train_tape(compressor, **kwargs)
+    assert_same(ours, plain)
+    assert compressor.stats()["tensors_compressed"] >= 4
+
+
+@pytest.mark.parametrize("options", [{}, {"selector": "exact"}, {"value_dtype": "float16"},
+                                     {"index_bits": 16, "value_dtype": "float8"}])
 def test_error_feedback_invariant_at_one_percent(options):
     """Per tensor: sum over ranks and steps of local gradients == P * sum of reduced ones + sum of residuals."""
     compressor = TopKEF(ratio=0.01, **options)

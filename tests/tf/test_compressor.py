@@ -55,8 +55,6 @@ def test_invalid_options_are_refused():
 def test_pytorch_only_options_are_refused_clearly():
     with pytest.raises(ValueError, match="warmup_steps is not supported by the TensorFlow"):
         TopKEF(warmup_steps=10)
-    for compact in ({"index_bits": 16}, {"value_dtype": "float8"}):
-        with pytest.raises(ValueError, match="compact encoding"):
-            TopKEF(**compact)
+
     with pytest.raises(ValueError, match="momentum correction"):
         TopKEF(momentum=0.9)
