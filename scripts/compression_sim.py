@@ -90,6 +90,18 @@ def powersgd(accs: List[torch.Tensor], shape: torch.Size, rank: int, state: dict
     return (p @ q.t()).reshape(-1)
 
 
+def cyclic(acc: torch.Tensor, period: int, ratio: float, step: List[int]) -> torch.Tensor:
+    """Top-k (float8 values) plus, every step, every ``period``-th entry starting at step % period, in float8
+    without indices (the slice is implied by the step): every coordinate reaches the optimizer at least once
+    every ``period`` steps, however small its gradient."""
+    sent = topk(acc, ratio, 8)
+    rest = acc - sent
+    offset = step[0] % period
+    dense_slice = rest[offset::period]
+    sent[offset::period] += quantize(dense_slice, 8)
+    return sent
+
+
 def make_method(spec: str) -> Dict[str, object]:
     """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' ; bytes per entry/coordinate too."""
     parts = spec.split(":")
@@ -116,6 +128,11 @@ def make_method(spec: str) -> Dict[str, object]:
             rank = max(1, round(fraction * n * m / (n + m)))
             return powersgd(accs, shape, rank, state, key), 4 * min(rank, n, m) * (n + m)
         return {"joint": joint}
+    if kind == "cyclic":
+        period, ratio = int(parts[1]), float(parts[2])
+        counter = [0]
+        return {"fn": lambda a: cyclic(a, period, ratio, counter), "bytes_per_coord": ratio * 3 + 1 / period,
+                "counter": counter}
     if kind == "sign":
         return {"fn": lambda a: quantize(a, 1), "bytes_per_coord": 1 / 8}
     raise ValueError(f"unknown method {spec!r}")
@@ -164,6 +181,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                 applied = sum(sent) / workers
                 bytes_sent += method["bytes_per_coord"] * numel * workers
             p.grad = applied.view_as(p)
+        if "counter" in method:
+            method["counter"][0] += 1
         opt.step()
         if sched is not None:
             sched.step()

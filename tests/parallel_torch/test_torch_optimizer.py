@@ -232,3 +232,33 @@ def test_sampled_selector_trains_exactly_like_exact_top_k():
     exact = train(TopKEF(ratio=0.01, selector="exact"), steps=6)
     sampled = train(TopKEF(ratio=0.01, selector="sampled"), steps=6)
     assert_same_params(sampled, exact)
+
+
+@pytest.mark.parametrize("options", [{}, {"selector": "exact"}, {"index_bits": 16, "value_dtype": "float8"}])
+def test_grad_holds_this_ranks_gradient_until_synchronize(options):
+    """Horovod's semantics: between backward() and synchronize() a parameter's .grad is this rank's own gradient
+    (code that logs gradient norms or checks frozen layers reads it there); synchronize() then writes the average."""
+    import copy
+
+    from .torch_harness import Net, batch
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    compressor = TopKEF(ratio=0.01, **options)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+    x, tokens, y = batch(0)
+    torch.nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+    own = torch.autograd.grad(torch.nn.functional.cross_entropy(reference(x, tokens, True), y),
+                              list(reference.parameters()))
+    # (a dense tensor's .grad is reduced in place by Horovod's own allreduce meanwhile, as without TopKEF)
+    compressed = [name for name, record in compressor.registry if record.residual is not None]
+    assert {"fc1.weight", "fc2.weight", "sometimes.weight"} <= set(compressed)
+    for (name, p), g in zip(model.named_parameters(), own):
+        if name in compressed:
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0, msg=lambda m: f"{name} before synchronize: {m}")
+    opt.synchronize()
+    averaged = model.fc1.weight.grad
+    assert int((averaged != 0).sum()) <= hvd.size() * -(-averaged.numel() // 100)
+    assert not torch.equal(averaged, own[1])

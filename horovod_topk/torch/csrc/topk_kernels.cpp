@@ -2,13 +2,13 @@
 //
 // Why a kernel: with torch ops every step of Top-K selection (compensate, |.|, threshold, mask, nonzero, gather,
 // residual update) is another pass over N elements, and exact torch.topk is ~40x one elementwise pass. Here:
-//   compress   = one pass that compensates (r += g, or DGC momentum correction), zeroes the gradient buffer it has
-//                just read (so decompress needs no zeroing pass of its own) and moves the entries above a
-//                threshold estimated on a strided sample out of the residual into a candidate list; exactly k of
+//   compress   = one pass that compensates (r += g, or DGC momentum correction) -- reading the gradient, never
+//                writing it: until synchronize() ``.grad`` holds this rank's gradient, as with plain Horovod --
+//                and moves the entries above a threshold estimated on a strided sample out of the residual into a candidate list; exactly k of
 //                those are kept (radix selection on their magnitudes' bits), packed into the payload, and the
 //                others go back to the residual. A NaN/Inf gradient entry never enters the residual: it is sent.
-//   decompress = add the P payloads' scaled values into that zeroed gradient buffer (no allocation), each walking
-//                its ascending indices front to back with prefetching.
+//   decompress = zero the gradient buffer and add the P payloads' scaled values into it (no allocation), each
+//                walking its ascending indices front to back with prefetching.
 // Payload layout (horovod_topk/core/payload.py): [k int32 indices | pad | k values | pad to 8 bytes].
 #include <torch/extension.h>
 
@@ -63,15 +63,14 @@ struct Candidates {
   }
 };
 
-// What one element goes through in the pass: compensate it (r += g, or DGC's u = m u + g; r += u) and zero the
-// gradient entry just consumed, then move it out of the residual into ``out`` if |r| >= thr. A NaN/Inf gradient
-// entry is not added to anything: it goes to ``bad`` and leaves r and u as they were (see compress_impl).
+// What one element goes through in the pass: compensate it (r += g, or DGC's u = m u + g; r += u), then move it
+// out of the residual into ``out`` if |r| >= thr. The gradient is only read. A NaN/Inf gradient entry is not added
+// to anything: it goes to ``bad`` and leaves r and u as they were (see compress_impl).
 template <typename R, typename G>
 inline void step_one(R* r, G* g, R* u, R m, int64_t i, R thr, bool compensate, Candidates<R>& out,
                      Candidates<R>& bad) {
   if (compensate) {
     const R gv = static_cast<R>(g[i]);
-    g[i] = G(0);
     if (std::isfinite(gv)) {
       R add = gv;
       if (u != nullptr) {
@@ -136,7 +135,6 @@ __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* 
       old[q] = v[q] = _mm256_loadu_ps(r + b + 8 * q);
       if (compensate) {
         v[q] = _mm256_add_ps(v[q], _mm256_loadu_ps(g + b + 8 * q));
-        _mm256_storeu_ps(g + b + 8 * q, _mm256_setzero_ps());
       }
       const __m256 hit = _mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_NLT_UQ);  // |v| >= thr, or NaN
       _mm256_storeu_ps(r + b + 8 * q, _mm256_andnot_ps(hit, v[q]));  // candidates leave the residual now
@@ -167,7 +165,6 @@ void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float
       old[q] = v[q] = _mm_loadu_ps(r + b + 4 * q);
       if (compensate) {
         v[q] = _mm_add_ps(v[q], _mm_loadu_ps(g + b + 4 * q));
-        _mm_storeu_ps(g + b + 4 * q, _mm_setzero_ps());
       }
       const __m128 hit = _mm_cmpnlt_ps(_mm_andnot_ps(sign, v[q]), t);  // |v| >= thr, or NaN
       _mm_storeu_ps(r + b + 4 * q, _mm_andnot_ps(hit, v[q]));  // candidates leave the residual now
@@ -412,9 +409,10 @@ void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t v
       TORCH_CHECK(idx[i] >= 0 && idx[i] < n, "horovod-topk: payload index ", idx[i], " out of range for a tensor of ",
                   n, " elements");
   }
-  // The output was zeroed by compress; the P payloads are added in. Their indices are ascending (compress writes
-  // them so): each scatter walks the output front to back. Measured faster here than merging the P lists into
-  // one sweep that writes the zeros between entries itself, and than a separate zeroing pass.
+  // The output (the gradient's own buffer, which holds this rank's gradient until now: Horovod's semantics) is
+  // zeroed, then the P payloads are added in. Their indices are ascending (compress writes them so): each scatter
+  // walks the output front to back.
+  std::memset(static_cast<void*>(o), 0, static_cast<size_t>(n) * sizeof(O));  // all-zero bytes are 0.0 in IEEE
   for (int64_t p = 0; p < world; ++p) {
     const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * nbytes);
     const W* val = reinterpret_cast<const W*>(base + p * nbytes + values_offset);
@@ -485,5 +483,5 @@ void decompress(torch::Tensor gathered, int64_t world, int64_t k, int64_t values
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
-  m.def("decompress", &decompress, "add the P payloads, scaled, into the gradient buffer compress zeroed");
+  m.def("decompress", &decompress, "write the sum of the P payloads, scaled, over the gradient buffer");
 }
