@@ -100,7 +100,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "steps": rec.steps,
                     "bytes_sent": rec.bytes_sent,
                     "bytes_dense": rec.bytes_dense,
-                    "nonfinite_steps": rec.nonfinite_steps,
+                    "nonfinite_steps": int(rec.nonfinite_steps),  # a 0-dim tensor on the device path
                     "world_size": rec.world_size,
                     "gradient_level": rec.gradient_level,
                     "guarded_steps": rec.guarded_steps,
