@@ -77,6 +77,14 @@ class DeviceBackend(Backend):
         )
         return ops.pack(indices, values, layout), nonfinite
 
+    def decompress(self, gathered, world_size, layout, value_dtype, scale, out):
+        if out.dtype != ops.residual_dtype(out.dtype):  # half precision: sum in float32, as the reference does
+            super().decompress(gathered, world_size, layout, value_dtype, scale, out)
+            return
+        # in place: no N-sized temporary and one pass less than building the sum aside and copying it over
+        indices, values = ops.unpack(gathered, world_size, layout, value_dtype)
+        out.zero_().index_add_(0, indices.reshape(-1), (values * scale).reshape(-1).to(out.dtype))
+
 
 class FusedBackend(Backend):
     name = "fused"

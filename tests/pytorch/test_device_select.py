@@ -130,8 +130,9 @@ def test_backend_choice(monkeypatch):
         selection.backend_for(cpu, "sampled")
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
-def test_device_backend_payload_round_trip_matches_reference(wire):
+def test_device_backend_payload_round_trip_matches_reference(wire, out_dtype):
     gen = torch.Generator().manual_seed(9)
     layout = PayloadLayout(64, torch.empty(0, dtype=wire).element_size())
     payloads, outs = {}, {}
@@ -140,7 +141,7 @@ def test_device_backend_payload_round_trip_matches_reference(wire):
         payload, nonfinite = backend.compress(grad, torch.zeros(6400), None, 0.0, layout, wire, 0, 0)
         assert int(nonfinite) == 0
         payloads[backend.name] = payload
-        out = grad.clone()
+        out = grad.to(out_dtype)
         backend.decompress(torch.cat([payload, payload]), 2, layout, wire, 0.5, out)
         outs[backend.name] = out
     assert torch.equal(payloads["device"], payloads["reference"])
@@ -174,6 +175,12 @@ def test_no_host_synchronisation_on_cuda(momentum):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert int(nonfinite) == 1
-    cpu_residual = torch.zeros(grad.numel())
-    ref = reference_step(grad.cpu(), cpu_residual, 1000, torch.float16)
-    assert ref[2] == 1
+    assert payload.view(torch.int32)[:1000].tolist() == [123] * 1000  # the NaN, in every slot
+    # a finite gradient: the same selection on the GPU as the reference's on the CPU
+    grad[123] = 0.5
+    residual = torch.randn(grad.numel(), device="cuda", generator=gen)
+    cpu_residual = residual.cpu()
+    i_dev, v_dev, bad = device_select.compensate_and_select(grad, residual, 1000, torch.float32)
+    i_ref, v_ref = ops.compensate_and_select(grad.cpu(), cpu_residual, 1000, torch.float32)
+    assert int(bad) == 0 and torch.equal(i_dev.cpu(), i_ref) and torch.equal(v_dev.cpu(), v_ref)
+    assert torch.equal(residual.cpu(), cpu_residual)
