@@ -184,3 +184,29 @@ def test_no_host_synchronisation_on_cuda(momentum):
     i_ref, v_ref = ops.compensate_and_select(grad.cpu(), cpu_residual, 1000, torch.float32)
     assert int(bad) == 0 and torch.equal(i_dev.cpu(), i_ref) and torch.equal(v_dev.cpu(), v_ref)
     assert torch.equal(residual.cpu(), cpu_residual)
+
+
+def test_the_device_benchmark_runs_with_torch_alone():
+    """scripts/bench_compress.py --device, as on a GPU machine without Horovod (here on the CPU, tiny sizes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_compress.py"
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['horovod'] = None  # as if Horovod were not installed\n"
+        f"sys.argv = ['bench', '--device', 'cpu', '--shrink', '5000', '--repeat', '1', '--ratios', '0.01']\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "assert not [m for m in sys.modules if m.startswith('horovod.')]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "0.01" in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["resnet50-25.6M", "gpt2-small-124M", "25M"]
+    import runpy
+
+    shapes = runpy.run_path(str(script))["gpt2_small_shapes"]()
+    assert sum(math.prod(shape) for shape in shapes) == 124_439_808  # GPT-2 small, output layer tied
+    shrunk = sum(max(1, math.prod(shape) // 5000) for shape in shapes)
+    assert f"| gpt2-small-124M | 0.01 | {shrunk:,} |" in result.stdout
