@@ -33,7 +33,8 @@ class TensorRecord(Generic[R]):
     bytes_sent: int = 0
     #: Bytes a dense allreduce would have been handed for the same steps: the baseline of the compression ratio.
     bytes_dense: int = 0
-    #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched.
+    #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched. A framework may
+    #: keep it as a 0-dim device tensor (summed without a host sync); readers convert it with int().
     nonfinite_steps: int = 0
     #: The number of workers the residual was accumulated under (None until the first compressed step).
     world_size: Optional[int] = None

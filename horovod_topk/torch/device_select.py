@@ -67,7 +67,7 @@ def kth_largest_key(keys: torch.Tensor, k: int, bits: int) -> torch.Tensor:
     count_dtype = torch.float32 if keys.numel() < (1 << 24) else torch.float64
     remaining = torch.full((1,), float(k), dtype=torch.float64, device=keys.device)
     prefix = torch.zeros((), dtype=keys.dtype, device=keys.device)
-    top = torch.tensor([_BINS - 1], dtype=torch.int64, device=keys.device)
+    top = torch.full((1,), _BINS - 1, dtype=torch.int64, device=keys.device)  # (torch.tensor would copy from host)
     shift = bits - _RADIX_BITS
     while True:
         low = max(shift, 0)

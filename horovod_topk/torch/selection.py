@@ -110,6 +110,7 @@ _REFERENCE = ReferenceBackend()
 _DEVICE = DeviceBackend()
 
 
+@functools.lru_cache(maxsize=1)
 def _fused() -> Backend:
     from . import kernels
 

@@ -155,6 +155,41 @@ def test_bad_arguments_are_named():
         device_select.compensate_and_select(torch.ones(4), torch.zeros(4, dtype=torch.float16), 1, torch.float16)
 
 
+# What would make the host wait for a GPU: reading a value (item/bool/int/float), an output whose size depends on
+# the data, or a tensor built from host data (torch.tensor: a synchronous copy to the device).
+_SYNCING_OPS = ("_local_scalar_dense", "is_nonzero", "nonzero.default", "masked_select", "unique", "lift_fresh",
+                "repeat_interleave", "bincount", "item")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_no_op_that_would_synchronise_on_a_gpu(momentum):
+    """The CPU stand-in for the sync-debug test below, so that CI checks it too: every aten op the device path
+    calls, compress and decompress, recorded with a dispatch mode; none of them may need the host to wait."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    grad = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    grad[17] = float("nan")
+    residual = torch.zeros(5000)
+    u = torch.zeros(5000) if momentum else None
+    layout = PayloadLayout(50, 2)
+    backend = selection.DeviceBackend()
+    with Record() as record:
+        payload, nonfinite = backend.compress(grad.clone(), residual, u, momentum, layout, torch.float16, 0, 0)
+        backend.decompress(torch.cat([payload, payload]), 2, layout, torch.float16, 0.5, grad)
+    assert len(record.ops) > 50 and "aten.nonzero_static.default" in record.ops  # the recording works
+    assert [op for op in record.ops if any(bad in op for bad in _SYNCING_OPS)] == []
+    assert int(nonfinite) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_no_host_synchronisation_on_cuda(momentum):
