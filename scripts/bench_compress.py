@@ -12,6 +12,13 @@ parameter (measured in a fresh process per selector: RSS growth over the gradien
 
     python scripts/bench_compress.py                   # the table in README
     python scripts/bench_compress.py --repeat 3 --models 1M
+
+With ``--device cuda`` (or ``cpu``) it benchmarks the device selection path instead (torch alone, no Horovod):
+ResNet-50's and GPT-2 small's real shapes and one 25M tensor at ratios 0.01 and 0.001, on that device, timed with
+CUDA events on a GPU; ``--shrink 100`` divides every size by 100 for a quick check on a CPU.
+
+    python scripts/bench_compress.py --device cuda
+    python scripts/bench_compress.py --device cpu --shrink 100 --repeat 2
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from typing import Callable, Dict, List
 import torch
 
 from horovod_topk.core import PayloadLayout, sample_size
-from horovod_topk.torch import kernels, ops
+from horovod_topk.torch import kernels, ops, selection
 
 WORLD = 2
 
@@ -46,11 +53,25 @@ def resnet50_shapes() -> List[tuple]:
     return shapes
 
 
+def gpt2_small_shapes() -> List[tuple]:
+    """Parameter shapes of GPT-2 small (124,439,808 parameters: 12 layers, d=768, vocabulary 50257, context 1024;
+    the output layer shares the token embedding), in Hugging Face's Conv1D (in, out) layout."""
+    d, vocab, context, layers = 768, 50257, 1024, 12
+    shapes = [(vocab, d), (context, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),  # ln_1, attention qkv and projection
+                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, MLP
+    return shapes + [(d,), (d,)]  # ln_f
+
+
 MODELS: Dict[str, Callable[[], List[tuple]]] = {
     "1M": lambda: [(1_000_000,)],
     "10M": lambda: [(10_000_000,)],
     "resnet50-25.6M": resnet50_shapes,
+    "gpt2-small-124M": gpt2_small_shapes,
+    "25M": lambda: [(25_000_000,)],
 }
+DEVICE_MODELS = ["resnet50-25.6M", "gpt2-small-124M", "25M"]
 
 
 def best_ms(fn: Callable[[], None], repeat: int, setup: Callable[[], None] = lambda: None) -> float:
@@ -137,16 +158,95 @@ def measured_memory(model: str, selector: str, ratio: float) -> float:
     return float(out.strip().splitlines()[-1])
 
 
+class Timer:
+    """Best-of-``repeat`` milliseconds of ``fn`` on ``device``: CUDA events around the launches on a GPU (the
+    device's own time, after one warm-up call), the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device, repeat: int) -> None:
+        self.device, self.repeat = device, repeat
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.device.type != "cuda":
+            fn()
+            return best_ms(fn, self.repeat)
+        fn()
+        torch.cuda.synchronize(self.device)
+        best = math.inf
+        for _ in range(self.repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        return best
+
+
+def device_main(args: argparse.Namespace) -> None:
+    """The device selection path (torch/device_select.py) with torch alone, no Horovod: per model and ratio,
+    compress and decompress (P=2 payloads) of every tensor, one elementwise pass, torch.topk, and the reference
+    compress (torch.topk plus its host check for non-finite entries)."""
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    timer = Timer(device, args.repeat)
+    backend, reference = selection.DeviceBackend(), selection.ReferenceBackend()
+    print(f"# torch {torch.__version__}, device {device} "
+          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{os.cpu_count()} cores, 1 thread'})"
+          f", sizes / {args.shrink}, best of {args.repeat}; times in ms")
+    print("| model | ratio | elements | elementwise | torch.topk | compress device | decompress device "
+          "| compress reference | device (c+d) / elementwise | torch.topk / device compress |")
+    print("|" + "---|" * 10)
+    for name in args.models or DEVICE_MODELS:
+        numels = [max(1, math.prod(shape) // args.shrink) for shape in MODELS[name]()]
+        gen = torch.Generator(device=device).manual_seed(0)
+        grads = [torch.randn(n, device=device, generator=gen) for n in numels]
+        for ratio in args.ratios or [0.01, 0.001]:
+            ks = [max(1, math.ceil(ratio * n)) for n in numels]
+            layouts = [PayloadLayout(k, 4) for k in ks]
+            residuals = [torch.zeros_like(g) for g in grads]
+            scratch = [torch.zeros_like(g) for g in grads]
+            payloads: List[torch.Tensor] = [torch.empty(0)] * len(grads)
+
+            def compress(which: selection.Backend) -> None:
+                for i, (g, r, lay) in enumerate(zip(grads, residuals, layouts)):
+                    payloads[i] = which.compress(g, r, None, 0.0, lay, torch.float32, 0, 0)[0]
+
+            t = {
+                "elementwise": timer(lambda: [s.add_(g) for s, g in zip(scratch, grads)]),
+                "topk": timer(lambda: [torch.topk(s.abs(), k, sorted=False) for s, k in zip(scratch, ks)]),
+                "c_device": timer(lambda: compress(backend)),
+            }
+            gathered = [torch.cat([p, p]) for p in payloads]
+            t["d_device"] = timer(lambda: [backend.decompress(buf, WORLD, lay, torch.float32, 1.0 / WORLD, s)
+                                           for buf, lay, s in zip(gathered, layouts, scratch)])
+            t["c_reference"] = timer(lambda: compress(reference))
+            print(f"| {name} | {ratio:g} | {sum(numels):,} | {t['elementwise']:.2f} | {t['topk']:.2f} | "
+                  f"{t['c_device']:.2f} | {t['d_device']:.2f} | {t['c_reference']:.2f} | "
+                  f"{(t['c_device'] + t['d_device']) / t['elementwise']:.1f}x | "
+                  f"{t['topk'] / t['c_device']:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--ratios", nargs="+", type=float, default=[0.1, 0.01, 0.001])
+    parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS),
+                        help=f"default: 1M 10M resnet50-25.6M; with --device: {' '.join(DEVICE_MODELS)}")
+    parser.add_argument("--ratios", nargs="+", type=float, default=None,
+                        help="default: 0.1 0.01 0.001; with --device: 0.01 0.001")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", help="benchmark the device selection path on this device (cuda, cpu)")
+    parser.add_argument("--shrink", type=int, default=1,
+                        help="with --device: divide every tensor's size by this (a quick check on a CPU)")
     parser.add_argument("--memory-probe", nargs=3, metavar=("MODEL", "SELECTOR", "RATIO"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
         memory_probe(args.memory_probe[0], args.memory_probe[1], float(args.memory_probe[2]))
         return
+    if args.device:
+        device_main(args)
+        return
+    args.models = args.models or ["1M", "10M", "resnet50-25.6M"]
+    args.ratios = args.ratios or [0.1, 0.01, 0.001]
     torch.set_num_threads(1)
     if kernels.load() is None:
         sys.exit("the fused kernels could not be built; nothing to compare")

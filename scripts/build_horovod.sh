@@ -32,10 +32,19 @@ patch third_party/gloo/CMakeLists.txt 's/-std=c++11/-std=c++17/'
 # optional XLA collectives (HOROVOD_ENABLE_XLA_OPS), not the regular TensorFlow ops.
 patch horovod/tensorflow/CMakeLists.txt '/xla_mpi_ops.cc/d'
 
-log "building (PyTorch, TensorFlow, MPI, Gloo; this takes a while on 2 cores)"
+log "building (PyTorch, TensorFlow, MPI, Gloo${HOROVOD_GPU_OPERATIONS:+, $HOROVOD_GPU_OPERATIONS}; this takes a while on 2 cores)"
 export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
 export HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
-# HOROVOD_GPU_OPERATIONS (NCCL in docker/Dockerfile.gpu) passes through from the environment when set.
+# GPU builds (docker/Dockerfile.gpu sets HOROVOD_GPU_OPERATIONS=NCCL): CUDA kernels and NCCL collectives, linked
+# against the distribution's shared libnccl (libnccl2/libnccl-dev). Horovod's default list of compute capabilities
+# starts at 3.5, which CUDA 12's nvcc no longer accepts: Volta (7.0) to Hopper (9.0) instead, overridable.
+if [[ -n "${HOROVOD_GPU_OPERATIONS:-}" ]]; then
+  export HOROVOD_GPU="${HOROVOD_GPU:-CUDA}" HOROVOD_NCCL_LINK="${HOROVOD_NCCL_LINK:-SHARED}"
+  export HOROVOD_CUDA_HOME="${HOROVOD_CUDA_HOME:-/usr/local/cuda}"
+  export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-70,75,80,86,89,90}"
+  [[ -x "$HOROVOD_CUDA_HOME/bin/nvcc" ]] || { log "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs nvcc in $HOROVOD_CUDA_HOME/bin"; exit 1; }
+  log "GPU build: $HOROVOD_GPU_OPERATIONS collectives, CUDA in $HOROVOD_CUDA_HOME, compute capabilities $HOROVOD_BUILD_CUDA_CC_LIST"
+fi
 export MAKEFLAGS="-j$(nproc)"
 mkdir -p "$OUT"
 ( cd "$src" && "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" . ) >"$work/build.log" 2>&1 || {

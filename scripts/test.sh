@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up if needed (scripts/setup.sh), then runs the whole test suite:
 #   1. single-process tests (core, framework adapters) with pytest;
-#   2. the multi-worker tests in tests/parallel_torch and tests/parallel_tf on 2 real Horovod workers, once with
+#   2. the multi-worker tests in tests/parallel_torch, tests/parallel_tf and tests/parallel_keras3 on 2 real Horovod workers, once with
 #      the Gloo controller and once with MPI (horovodrun -np 2 -H localhost:2 --gloo / --mpi).
 # Ends with one line "N passed, N failed, N skipped" summed over all runs (rank 0's view of the parallel ones).
 set -uo pipefail
@@ -15,10 +15,10 @@ trap 'rm -rf "$reports"' EXIT
 status=0
 
 echo "== single-process tests"
-python -m pytest tests --ignore=tests/parallel_torch --ignore=tests/parallel_tf -q -p no:cacheprovider --color=no --junitxml="$reports/unit.xml" "$@" || status=1
+python -m pytest tests --ignore=tests/parallel_torch --ignore=tests/parallel_tf --ignore=tests/parallel_keras3 -q -p no:cacheprovider --color=no --junitxml="$reports/unit.xml" "$@" || status=1
 
 # One process per worker holds one framework's Horovod: each framework's suite runs in its own job.
-for suite in parallel_torch parallel_tf; do
+for suite in parallel_torch parallel_tf parallel_keras3; do
   for controller in gloo mpi; do
     echo "== multi-worker tests: horovodrun -np 2 --$controller pytest tests/$suite"
     # The rank goes into each report's name; `timeout` turns an unexpected hang into a failure.

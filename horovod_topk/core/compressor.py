@@ -174,6 +174,6 @@ class TopKEFBase(abc.ABC, Generic[R]):
             "residual_norm": math.sqrt(squared),
             "tensors_compressed": compressed,
             "tensors_dense": len(self.registry) - compressed,
-            "nonfinite_steps": sum(r.nonfinite_steps for _, r in self.registry),
+            "nonfinite_steps": sum(int(r.nonfinite_steps) for _, r in self.registry),
             "guarded_steps": sum(r.guarded_steps for _, r in self.registry),
         }

@@ -33,7 +33,8 @@ class TensorRecord(Generic[R]):
     bytes_sent: int = 0
     #: Bytes a dense allreduce would have been handed for the same steps: the baseline of the compression ratio.
     bytes_dense: int = 0
-    #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched.
+    #: Steps on which this rank's gradient held NaN/Inf: sent as such, residual left untouched. A framework may
+    #: keep it as a 0-dim device tensor (summed without a host sync); readers convert it with int().
     nonfinite_steps: int = 0
     #: The number of workers the residual was accumulated under (None until the first compressed step).
     world_size: Optional[int] = None
@@ -100,7 +101,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "steps": rec.steps,
                     "bytes_sent": rec.bytes_sent,
                     "bytes_dense": rec.bytes_dense,
-                    "nonfinite_steps": rec.nonfinite_steps,
+                    "nonfinite_steps": int(rec.nonfinite_steps),  # a 0-dim tensor on the device path
                     "world_size": rec.world_size,
                     "gradient_level": rec.gradient_level,
                     "guarded_steps": rec.guarded_steps,

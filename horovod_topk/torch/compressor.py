@@ -9,7 +9,6 @@ routes the mark and the tensor is simply reduced dense.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -30,18 +29,12 @@ from ..core import (
 )
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
 from . import encoding, ops
+from .selection import Backend, backend_for, dtype_token as _dtype_token
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
 
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float8": encoding.FLOAT8}
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_token(dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor of ``dtype``: how the kernels are told a dtype, and its itemsize (made once per dtype,
-    not per tensor and step)."""
-    return torch.empty(0, dtype=dtype)
 
 
 class AgreementCheck:
@@ -67,7 +60,7 @@ class TopKHandle:
     """Handle of one in-flight compressed reduction; calling it waits and returns the dense reduced gradient.
 
     Horovod's optimizer accepts a callable handle in ``synchronize()``. The result is written over ``out`` (the
-    gradient's own buffer, whose content was consumed by the compression): no N-sized allocation per step.
+    gradient's own buffer, which holds this rank's gradient until then): no N-sized allocation per step.
     """
 
     def __init__(
@@ -81,7 +74,7 @@ class TopKHandle:
         out: torch.Tensor,
         shape: Tuple[int, ...],
         scale: float,
-        kernels: Any,
+        backend: Backend,
     ) -> None:
         self.name = name
         self._allgather_handle = allgather_handle
@@ -92,7 +85,7 @@ class TopKHandle:
         self._out = out
         self._shape = shape
         self._scale = scale
-        self._kernels = kernels
+        self._backend = backend
         self._result: Optional[torch.Tensor] = None
 
     def __call__(self) -> torch.Tensor:
@@ -100,17 +93,11 @@ class TopKHandle:
             gathered = self._wait(self._allgather_handle)
             self._layout.check_gathered(self.name, gathered.numel(), self._world_size)
             flat = self._out.view(-1)
-            if self._layout.compact:
+            if self._layout.compact:  # the wire encoding is the same whichever backend selected
                 indices, values = encoding.decode(gathered, self._world_size, self._layout, self._value_dtype)
                 flat.copy_(ops.scatter_sum(indices, values * self._scale, flat.numel(), ops.residual_dtype(flat.dtype)))
-            elif self._kernels is not None and flat.device.type == "cpu":
-                self._kernels.decompress(
-                    gathered, self._world_size, self._layout.k, self._layout.values_offset, self._layout.nbytes,
-                    _dtype_token(self._value_dtype), self._scale, flat,
-                )
             else:
-                indices, values = ops.unpack(gathered, self._world_size, self._layout, self._value_dtype)
-                flat.copy_(ops.scatter_sum(indices, values * self._scale, flat.numel(), ops.residual_dtype(flat.dtype)))
+                self._backend.decompress(gathered, self._world_size, self._layout, self._value_dtype, self._scale, flat)
             self._result = self._out.view(self._shape)
         return self._result
 
@@ -186,38 +173,25 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         record.world_size = world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         layout = tensor_payload_layout(self.config, plan.k, flat.numel(), _dtype_token(wire_dtype).element_size())
-        # The selection writes the plain layout; the compact options re-encode its pairs (float8 values are selected
+        # The backend writes the plain layout; the compact options re-encode its pairs (float8 values are selected
         # exactly, the encoder puts float8's rounding back into the residual).
         select_dtype = torch.float32 if layout.scaled else wire_dtype
         plain = PayloadLayout(plan.k, _dtype_token(select_dtype).element_size()) if layout.compact else layout
-        kernels = self._kernels(tensor)
-        # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer,
-        # on both paths: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
-        if kernels is not None:
-            payload = torch.empty(plain.nbytes, dtype=torch.uint8)
-            first_count = kernels.compress(
-                residual, flat, momentum_buffer, self.config.momentum, plan.k, plain.values_offset, payload,
-                _dtype_token(select_dtype), sample_size(plan.k, flat.numel()), record.steps,
-            )[0]
-            record.nonfinite_steps += first_count < 0
-        else:
-            selection = ops.compensate_nonfinite(
-                flat, residual, plan.k, select_dtype, momentum_buffer, self.config.momentum
-            )
-            if selection is None:
-                selection = ops.compensate_and_select(
-                    flat, residual, plan.k, select_dtype, momentum_buffer, self.config.momentum
-                )
-            else:
-                record.nonfinite_steps += 1
-            payload = ops.pack(*selection, plain)
+        backend = self._backend(tensor)
+        # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer, on every
+        # backend: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
+        payload, nonfinite = backend.compress(
+            flat, residual, momentum_buffer, self.config.momentum, plain, select_dtype,
+            sample_size(plan.k, flat.numel()), record.steps,
+        )
+        record.nonfinite_steps += nonfinite  # a device tensor on the device backend: read without a sync here
         if layout.compact:
             indices, values = ops.unpack(payload, 1, plain, select_dtype)
             payload = encoding.encode(indices[0], values[0], residual, layout)
         record.bytes_sent += layout.nbytes
         handle = allgather_async(payload, name=allgather_name(name), process_set=process_set)
         return TopKHandle(
-            name, handle, synchronize, layout, world_size, wire_dtype, flat, tuple(tensor.shape), scale, kernels
+            name, handle, synchronize, layout, world_size, wire_dtype, flat, tuple(tensor.shape), scale, backend
         )
 
     def _guard_spike(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
@@ -266,13 +240,9 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             buffers.append(buf)
         return buffers[0], buffers[1]
 
-    def _kernels(self, tensor: torch.Tensor) -> Any:
-        """The fused CPU kernels for the sampled selector, or None for the exact torch.topk path."""
-        if self.config.selector != "sampled" or tensor.device.type != "cpu":
-            return None
-        from . import kernels
-
-        return kernels.load()
+    def _backend(self, tensor: torch.Tensor) -> Backend:
+        """Who selects and packs this tensor's entries, for its device and the selector (torch/selection.py)."""
+        return backend_for(tensor, self.config.selector)
 
     # ---- state hooks ---------------------------------------------------------------------------------------
     def _export_residual(self, residual: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,9 @@ def encode(indices: torch.Tensor, values: torch.Tensor, residual: torch.Tensor, 
     if layout.index_bits == 16:  # segments need the entries in index order
         order = torch.argsort(indices)
         indices, values = indices[order], values[order]
-        counts = torch.bincount(indices >> SEGMENT_BITS, minlength=layout.segments)
+        # index_add_, not bincount: bincount sizes its output from the data, which waits for a GPU
+        counts = torch.zeros(layout.segments, dtype=torch.int32, device=indices.device)
+        counts.index_add_(0, indices >> SEGMENT_BITS, torch.ones_like(indices, dtype=torch.int32))
         buf[layout.counts_offset:layout.indices_offset].view(torch.int32).copy_(counts)
         offsets = indices & _SEGMENT_MASK
         # int16 holds the offsets 32768..65535 as negatives; decode masks them back

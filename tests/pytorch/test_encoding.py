@@ -80,3 +80,21 @@ def test_float8_of_an_all_zero_selection_is_zero_not_nan():
     payload = encoding.encode(torch.arange(4, dtype=torch.int32), torch.zeros(4), residual, layout)
     _, got = encoding.decode(payload, 1, layout, torch.float32)
     assert torch.equal(got, torch.zeros(1, 4)) and torch.equal(residual, torch.zeros(100))
+
+
+def test_the_compact_encoding_calls_no_op_that_would_synchronise_on_a_gpu():
+    from .sync_check import recorded_ops, syncing
+
+    numel, k = 3 * (1 << SEGMENT_BITS) + 5, 500
+    indices, values = _pairs(numel, k, 5)
+    values[3] = float("nan")
+    layout = payload_layout(k, numel, 1, index_bits=16, scaled=True)
+    residual = torch.zeros(numel)
+
+    def run():
+        payload = encoding.encode(indices, values, residual, layout)
+        encoding.decode(torch.cat([payload, payload]), 2, layout, torch.float32)
+
+    ops_called = recorded_ops(run)
+    assert "aten.searchsorted.Tensor" in ops_called and len(ops_called) > 20  # the recording works
+    assert syncing(ops_called) == []

@@ -1,0 +1,137 @@
+"""Selection backends: who compresses a gradient into a payload and adds the gathered payloads back, per device.
+
+``TopKEF.start_reduction`` does not know how a tensor is compressed; it asks :func:`backend_for` and calls the
+backend's ``compress`` and (through its handle) ``decompress``. Three backends:
+
+``fused``      CPU tensors, selector "sampled": the C++ kernel (csrc/topk_kernels.cpp), one pass per tensor.
+``reference``  selector "exact" anywhere, and CPU tensors when the kernel cannot be built: ``torch.topk``
+               (ops.compensate_and_select), with one host check for non-finite entries.
+``device``     tensors on an accelerator, selector "sampled": device_select, exact and without host
+               synchronisation.
+
+``HOROVOD_TOPK_SELECTION=device`` (or ``fused``, ``reference``) forces a backend whatever the tensor's device
+(the fused one only for CPU tensors): that is how the device path is tested and benchmarked on the CPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Tuple, Union
+
+import torch
+
+from ..core.payload import PayloadLayout
+from . import device_select, ops
+
+__all__ = ["Backend", "ReferenceBackend", "FusedBackend", "DeviceBackend", "backend_for", "ENV"]
+
+ENV = "HOROVOD_TOPK_SELECTION"
+Count = Union[int, torch.Tensor]  # a 0-dim device tensor where reading the count would synchronise
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_token(dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of ``dtype``: how the kernels are told a dtype (made once per dtype)."""
+    return torch.empty(0, dtype=dtype)
+
+
+class Backend:
+    """How one tensor is compressed into a payload and how the gathered payloads become its dense reduction."""
+
+    name = "base"
+
+    def compress(
+        self, flat: torch.Tensor, residual: torch.Tensor, momentum_buffer: Any, momentum: float,
+        layout: PayloadLayout, wire_dtype: torch.dtype, sample_size: int, step: int,
+    ) -> Tuple[torch.Tensor, Count]:
+        """Compensate ``residual`` with the gradient ``flat``, select ``layout.k`` entries and pack them.
+        Returns (payload uint8 of ``layout.nbytes``, 1 if the gradient had NaN/Inf entries else 0)."""
+        raise NotImplementedError
+
+    def decompress(
+        self, gathered: torch.Tensor, world_size: int, layout: PayloadLayout, value_dtype: torch.dtype,
+        scale: float, out: torch.Tensor,
+    ) -> None:
+        """Write the sum of the ``world_size`` payloads in ``gathered``, times ``scale``, over ``out`` (flat)."""
+        indices, values = ops.unpack(gathered, world_size, layout, value_dtype)
+        out.copy_(ops.scatter_sum(indices, values * scale, out.numel(), ops.residual_dtype(out.dtype)))
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def compress(self, flat, residual, momentum_buffer, momentum, layout, wire_dtype, sample_size, step):
+        selection = ops.compensate_nonfinite(flat, residual, layout.k, wire_dtype, momentum_buffer, momentum)
+        nonfinite = selection is not None
+        if selection is None:
+            selection = ops.compensate_and_select(flat, residual, layout.k, wire_dtype, momentum_buffer, momentum)
+        return ops.pack(*selection, layout), int(nonfinite)
+
+
+class DeviceBackend(Backend):
+    name = "device"
+
+    def compress(self, flat, residual, momentum_buffer, momentum, layout, wire_dtype, sample_size, step):
+        indices, values, nonfinite = device_select.compensate_and_select(
+            flat, residual, layout.k, wire_dtype, momentum_buffer, momentum
+        )
+        return ops.pack(indices, values, layout), nonfinite
+
+    def decompress(self, gathered, world_size, layout, value_dtype, scale, out):
+        if out.dtype != ops.residual_dtype(out.dtype):  # half precision: sum in float32, as the reference does
+            super().decompress(gathered, world_size, layout, value_dtype, scale, out)
+            return
+        # in place: no N-sized temporary and one pass less than building the sum aside and copying it over
+        indices, values = ops.unpack(gathered, world_size, layout, value_dtype)
+        out.zero_().index_add_(0, indices.reshape(-1), (values * scale).reshape(-1).to(out.dtype))
+
+
+class FusedBackend(Backend):
+    name = "fused"
+
+    def __init__(self, kernels: Any) -> None:
+        self._kernels = kernels
+
+    def compress(self, flat, residual, momentum_buffer, momentum, layout, wire_dtype, sample_size, step):
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        first_count = self._kernels.compress(
+            residual, flat, momentum_buffer, momentum, layout.k, layout.values_offset, payload,
+            dtype_token(wire_dtype), sample_size, step,
+        )[0]
+        return payload, int(first_count < 0)
+
+    def decompress(self, gathered, world_size, layout, value_dtype, scale, out):
+        # zeroes ``out`` (the gradient, which compress only read) and adds the payloads in
+        self._kernels.decompress(gathered, world_size, layout.k, layout.values_offset, layout.nbytes,
+                                 dtype_token(value_dtype), scale, out)
+
+
+_REFERENCE = ReferenceBackend()
+_DEVICE = DeviceBackend()
+
+
+@functools.lru_cache(maxsize=1)
+def _fused() -> Backend:
+    from . import kernels
+
+    module = kernels.load()
+    return _REFERENCE if module is None else FusedBackend(module)
+
+
+def backend_for(tensor: torch.Tensor, selector: str) -> Backend:
+    """The backend for a gradient on ``tensor``'s device with the configured ``selector`` (see the module
+    docstring; ``HOROVOD_TOPK_SELECTION`` overrides it)."""
+    forced = os.environ.get(ENV, "").strip().lower()
+    on_cpu = tensor.device.type == "cpu"
+    if forced:
+        if forced == "device":
+            return _DEVICE
+        if forced == "reference":
+            return _REFERENCE
+        if forced == "fused" and on_cpu:
+            return _fused()
+        if forced != "fused":
+            raise ValueError(f"horovod-topk: {ENV}={forced!r} is not one of 'device', 'fused', 'reference'")
+    if selector != "sampled":
+        return _REFERENCE
+    return _fused() if on_cpu else _DEVICE
