@@ -10,6 +10,7 @@ routes the mark and the tensor is simply reduced dense.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -66,7 +67,8 @@ class TopKHandle:
     """Handle of one in-flight compressed reduction; calling it waits and returns the dense reduced gradient.
 
     Horovod's optimizer accepts a callable handle in ``synchronize()``. The result is written over ``out`` (the
-    gradient's own buffer, whose content was consumed by the compression): no N-sized allocation per step.
+    gradient's own buffer, which compression only read: until this call it holds this rank's gradient, as with
+    Horovod's dense allreduce): no N-sized allocation per step.
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         if not record.verified:
             record.verified = True
             pending.check = self._agreement_check(name, record, tensor, plan.k, process_set)
+        self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
         if not plan.compressed:
@@ -183,6 +186,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         layout = PayloadLayout(plan.k, _dtype_token(wire_dtype).element_size())
         kernels = self._kernels(tensor)
+        started = time.perf_counter()  # host time only: no sync on a GPU (there it is the launch time)
         # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer,
         # on both paths: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
         if kernels is not None:
@@ -203,6 +207,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             else:
                 record.nonfinite_steps += 1
             payload = ops.pack(*selection, layout)
+        record.compress_seconds += time.perf_counter() - started
         record.bytes_sent += layout.nbytes
         handle = allgather_async(payload, name=allgather_name(name), process_set=process_set)
         return TopKHandle(

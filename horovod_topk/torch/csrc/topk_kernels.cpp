@@ -2,13 +2,14 @@
 //
 // Why a kernel: with torch ops every step of Top-K selection (compensate, |.|, threshold, mask, nonzero, gather,
 // residual update) is another pass over N elements, and exact torch.topk is ~40x one elementwise pass. Here:
-//   compress   = one pass that compensates (r += g, or DGC momentum correction), zeroes the gradient buffer it has
-//                just read (so decompress needs no zeroing pass of its own) and moves the entries above a
+//   compress   = one pass that compensates (r += g, or DGC momentum correction) and moves the entries above a
 //                threshold estimated on a strided sample out of the residual into a candidate list; exactly k of
 //                those are kept (radix selection on their magnitudes' bits), packed into the payload, and the
 //                others go back to the residual. A NaN/Inf gradient entry never enters the residual: it is sent.
-//   decompress = add the P payloads' scaled values into that zeroed gradient buffer (no allocation), each walking
-//                its ascending indices front to back with prefetching.
+//                The gradient is only read: until decompress writes the average, it holds this rank's gradient,
+//                as with Horovod's own allreduce (code that reads .grad before synchronize() sees it).
+//   decompress = zero the gradient buffer and add the P payloads' scaled values into it (no allocation), each
+//                walking its ascending indices front to back with prefetching.
 // Payload layout (horovod_topk/core/payload.py): [k int32 indices | pad | k values | pad to 8 bytes].
 #include <torch/extension.h>
 
@@ -63,15 +64,13 @@ struct Candidates {
   }
 };
 
-// What one element goes through in the pass: compensate it (r += g, or DGC's u = m u + g; r += u) and zero the
-// gradient entry just consumed, then move it out of the residual into ``out`` if |r| >= thr. A NaN/Inf gradient
+// What one element goes through in the pass: compensate it (r += g, or DGC's u = m u + g; r += u), then move it out of the residual into ``out`` if |r| >= thr. A NaN/Inf gradient
 // entry is not added to anything: it goes to ``bad`` and leaves r and u as they were (see compress_impl).
 template <typename R, typename G>
-inline void step_one(R* r, G* g, R* u, R m, int64_t i, R thr, bool compensate, Candidates<R>& out,
+inline void step_one(R* r, const G* g, R* u, R m, int64_t i, R thr, bool compensate, Candidates<R>& out,
                      Candidates<R>& bad) {
   if (compensate) {
     const R gv = static_cast<R>(g[i]);
-    g[i] = G(0);
     if (std::isfinite(gv)) {
       R add = gv;
       if (u != nullptr) {
@@ -92,7 +91,7 @@ inline void step_one(R* r, G* g, R* u, R m, int64_t i, R thr, bool compensate, C
 
 // One pass over r (and g, u): see step_one. The portable version; float32 without momentum has a SIMD one below.
 template <typename R, typename G>
-void compensate_and_collect(R* __restrict__ r, G* __restrict__ g, R* __restrict__ u, R m, int64_t n, R thr,
+void compensate_and_collect(R* __restrict__ r, const G* __restrict__ g, R* __restrict__ u, R m, int64_t n, R thr,
                             bool compensate, Candidates<R>& out, Candidates<R>& bad) {
   for (int64_t i = 0; i < n; ++i) step_one<R, G>(r, g, u, m, i, thr, compensate, out, bad);
 }
@@ -122,7 +121,7 @@ inline void add_hits(const float* v, const float* old, int64_t b, unsigned mask,
 // The common case (float32 residual and gradient, no momentum) with SIMD: compare the magnitudes of a block at once
 // and walk only the set bits of the hit mask, so the cost of the collection grows with the number of candidates,
 // not with the number of elements. AVX2 (8 floats) when the CPU has it, SSE2 (4 floats, every x86-64) otherwise.
-__attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* __restrict__ g, int64_t n,
+__attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, const float* __restrict__ g, int64_t n,
                                                    float thr, bool compensate, Candidates<float>& out,
                                                    Candidates<float>& bad, int64_t& done) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -136,7 +135,6 @@ __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* 
       old[q] = v[q] = _mm256_loadu_ps(r + b + 8 * q);
       if (compensate) {
         v[q] = _mm256_add_ps(v[q], _mm256_loadu_ps(g + b + 8 * q));
-        _mm256_storeu_ps(g + b + 8 * q, _mm256_setzero_ps());
       }
       const __m256 hit = _mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_NLT_UQ);  // |v| >= thr, or NaN
       _mm256_storeu_ps(r + b + 8 * q, _mm256_andnot_ps(hit, v[q]));  // candidates leave the residual now
@@ -154,7 +152,7 @@ __attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, float* 
   done = b;
 }
 
-void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float thr, bool compensate,
+void collect_sse2(float* __restrict__ r, const float* __restrict__ g, int64_t n, float thr, bool compensate,
                   Candidates<float>& out, Candidates<float>& bad, int64_t& done) {
   const __m128 sign = _mm_set1_ps(-0.0f);
   const __m128 t = _mm_set1_ps(thr);
@@ -167,7 +165,6 @@ void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float
       old[q] = v[q] = _mm_loadu_ps(r + b + 4 * q);
       if (compensate) {
         v[q] = _mm_add_ps(v[q], _mm_loadu_ps(g + b + 4 * q));
-        _mm_storeu_ps(g + b + 4 * q, _mm_setzero_ps());
       }
       const __m128 hit = _mm_cmpnlt_ps(_mm_andnot_ps(sign, v[q]), t);  // |v| >= thr, or NaN
       _mm_storeu_ps(r + b + 4 * q, _mm_andnot_ps(hit, v[q]));  // candidates leave the residual now
@@ -186,7 +183,7 @@ void collect_sse2(float* __restrict__ r, float* __restrict__ g, int64_t n, float
 }
 
 template <>
-void compensate_and_collect<float, float>(float* __restrict__ r, float* __restrict__ g, float* __restrict__ u,
+void compensate_and_collect<float, float>(float* __restrict__ r, const float* __restrict__ g, float* __restrict__ u,
                                           float m, int64_t n, float thr, bool compensate, Candidates<float>& out,
                                           Candidates<float>& bad) {
   int64_t b = 0;
@@ -279,7 +276,7 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
                    int64_t seed) {
   const int64_t n = residual.numel();
   R* r = residual.data_ptr<R>();
-  G* g = grad.data_ptr<G>();
+  const G* g = grad.data_ptr<G>();
   R* u = momentum_buf.has_value() ? momentum_buf->data_ptr<R>() : nullptr;
   const R m = static_cast<R>(momentum);
 
@@ -412,9 +409,11 @@ void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t v
       TORCH_CHECK(idx[i] >= 0 && idx[i] < n, "horovod-topk: payload index ", idx[i], " out of range for a tensor of ",
                   n, " elements");
   }
-  // The output was zeroed by compress; the P payloads are added in. Their indices are ascending (compress writes
-  // them so): each scatter walks the output front to back. Measured faster here than merging the P lists into
-  // one sweep that writes the zeros between entries itself, and than a separate zeroing pass.
+  // Zero the output, then add the P payloads in. Their indices are ascending (compress writes them so): each
+  // scatter walks the output front to back. Measured faster here than merging the P lists into one sweep that
+  // writes the zeros between entries itself. (Zeroing in compress, right after reading each gradient line, was
+  // cheaper still, but left .grad reading zeros between backward() and synchronize().)
+  std::memset(static_cast<void*>(o), 0, static_cast<size_t>(n) * sizeof(O));
   for (int64_t p = 0; p < world; ++p) {
     const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * nbytes);
     const W* val = reinterpret_cast<const W*>(base + p * nbytes + values_offset);
@@ -485,5 +484,5 @@ void decompress(torch::Tensor gathered, int64_t world, int64_t k, int64_t values
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
-  m.def("decompress", &decompress, "add the P payloads, scaled, into the gradient buffer compress zeroed");
+  m.def("decompress", &decompress, "zero the gradient buffer and add the P payloads, scaled, into it");
 }
