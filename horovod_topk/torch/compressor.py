@@ -121,7 +121,9 @@ class TopKEF(TopKEFBase[torch.Tensor]):
     residual, and build the dense average from all ranks' payloads. Pass the class for the defaults (ratio 0.01)
     or an object for other options; see :class:`horovod_topk.core.TopKConfig`.
 
-    Use one compressor object per optimizer: residuals are keyed by parameter name.
+    The class or one object may be given to several optimizers: each gets its own error-feedback state in it
+    (residuals are keyed by parameter name, prefixed per optimizer where names overlap; see core.scopes).
+    ``TopKEF(log_every=N, summary_writer=w)`` reports every N steps (core.telemetry).
     """
 
     def _alias(self, tensor: torch.Tensor) -> torch.Tensor:
