@@ -94,7 +94,7 @@ class TopKEFBase(abc.ABC, Generic[R]):
     def scope_for(self, parameters: Iterable[Tuple[str, Any]]) -> str:
         """The name prefix for a distributed optimizer of ``parameters`` ((name, parameter) pairs), so that
         several optimizers given this one object keep separate error-feedback state (see core.scopes)."""
-        return self.scopes.assign(parameters, self.registry.forget)
+        return self.scopes.assign(parameters)
 
     def _report_if_due(self, completed_steps: int, rank: Optional[int] = None) -> None:
         """Called before a tensor starts step ``completed_steps + 1``: the telemetry report of the steps so far,

@@ -11,10 +11,11 @@ one place, and a checkpoint round-trips unchanged.
 
 The rule is deterministic (every rank builds its optimizers in the same order, so every rank picks the same
 prefixes, and a restarted job picks them again): an optimizer joins the first scope where none of its parameter
-names is claimed by *another* live parameter; scope 0 has no prefix (a single optimizer, or optimizers whose names
+names is claimed by *another* parameter; scope 0 has no prefix (a single optimizer, or optimizers whose names
 do not overlap, keep their plain names), scope i > 0 has ``optimizer<i>/``. Wrapping the same parameters again
-joins their own scope. A scope whose parameters were all garbage-collected (a model rebuilt in a notebook or a
-sweep) is reused, and the state left under its names is dropped with it, so it is neither inherited nor leaked.
+joins their own scope. A claim is never released when its parameter is garbage-collected: when that happens is
+up to each process's collector, and ranks that chose different prefixes would wait on collectives of different
+names. A process that builds model after model (a sweep) should give each its own TopKEF object.
 """
 from __future__ import annotations
 
@@ -38,38 +39,24 @@ class ScopeTable:
     def __len__(self) -> int:
         return len(self._claims)
 
-    def assign(self, parameters: Iterable[Tuple[str, Any]], forget: Callable[[str], None]) -> str:
-        """The prefix for an optimizer of ``parameters`` ((name, parameter) pairs); claims their names.
-
-        ``forget(full_name)`` is called for every name whose parameter is gone when the name is claimed again (or
-        its whole scope is reused), to drop the state left under it.
-        """
+    def assign(self, parameters: Iterable[Tuple[str, Any]]) -> str:
+        """The prefix for an optimizer of ``parameters`` ((name, parameter) pairs); claims their names."""
         params = [(name, param) for name, param in parameters]
         for index, claims in enumerate(self._claims):
-            if all(ref() is None for ref in claims.values()):  # every parameter of this scope is gone
-                for name in claims:
-                    forget(scope_prefix(index) + name)
-                claims.clear()
             if all(_free_for(claims, name, param) for name, param in params):
                 break
         else:
             index = len(self._claims)
             self._claims.append({})
-        claims = self._claims[index]
-        for name, param in params:
-            if name in claims and claims[name]() is not param:  # its parameter is gone: so is what it left
-                forget(scope_prefix(index) + name)
-            claims[name] = _reference(param)
+        self._claims[index].update((name, _reference(param)) for name, param in params)
         return scope_prefix(index)
 
 
 def _free_for(claims: Dict[str, Callable[[], Any]], name: str, param: Any) -> bool:
-    """Whether ``name`` is unclaimed in a scope, or claimed by ``param`` itself or by a parameter now gone."""
+    """Whether ``name`` is unclaimed in a scope, or claimed by ``param`` itself (a weak reference: a new object
+    that happens to get a dead one's id is not mistaken for it)."""
     ref = claims.get(name)
-    if ref is None:
-        return True
-    held = ref()
-    return held is None or held is param  # identity: tensors compare elementwise
+    return ref is None or ref() is param  # identity: tensors compare elementwise
 
 
 def _reference(obj: Any) -> Callable[[], Any]:
