@@ -92,10 +92,6 @@ class ErrorFeedbackRegistry(Generic[R]):
     def clear(self) -> None:
         self.records.clear()
 
-    def forget(self, name: str) -> None:
-        """Drop the record of ``name`` if there is one (its tensor is gone)."""
-        self.records.pop(name, None)
-
     def totals(self) -> Tuple[int, int, int]:
         """(steps, bytes_sent, bytes_dense) over all tensors; steps is the largest per-tensor step count."""
         steps = max((r.steps for r in self.records.values()), default=0)

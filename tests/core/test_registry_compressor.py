@@ -42,15 +42,6 @@ def test_only_a_record_with_state_refuses_another_shape(state):
         reg.record("weight", (10, 1, 1, 1))
 
 
-def test_forget_drops_one_record():
-    reg = ErrorFeedbackRegistry()
-    reg.record("a", (1,))
-    reg.record("b", (1,))
-    reg.forget("a")
-    reg.forget("never-seen")
-    assert list(reg.records) == ["b"]
-
-
 def test_state_round_trip_and_stats():
     comp = ListCompressor(ratio=0.1)
     rec = comp.registry.record("w", (2,))
