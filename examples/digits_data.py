@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Tuple
+import json
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from sklearn.datasets import load_digits
@@ -29,4 +30,17 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--ratio", type=float, default=0.01, help="TopKEF ratio")
     parser.add_argument("--dense", action="store_true", help="plain Horovod allreduce instead of TopKEF")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--summary", metavar="PATH", help="rank 0 writes the run's numbers there as JSON "
+                        "(per-epoch loss and accuracy, bytes handed to collectives, wall time; scripts/demo.sh)")
     return parser.parse_args()
+
+
+def write_summary(path: Optional[str], framework: str, method: str, history: List[Dict[str, float]],
+                  bytes_sent: float, bytes_dense: float, wall_s: float) -> None:
+    """The numbers scripts/demo_report.py compares (rank 0 only)."""
+    if not path:
+        return
+    with open(path, "w") as out:
+        json.dump({"framework": framework, "method": method, "history": history,
+                   "final_accuracy": history[-1]["accuracy"] if history else None,
+                   "bytes_sent": bytes_sent, "bytes_dense": bytes_dense, "wall_s": wall_s}, out, indent=1)

@@ -16,7 +16,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import horovod.tensorflow as hvd_tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from digits_data import load_split, parse_args  # noqa: E402
+from digits_data import load_split, parse_args, write_summary  # noqa: E402
 
 from horovod_topk.tensorflow import TopKEF  # noqa: E402
 
@@ -39,9 +39,11 @@ class Report(tf.keras.callbacks.Callback):
         super().__init__()
         self.compressor, self.x_test, self.y_test = compressor, x_test, y_test
         self.accuracy = 0.0
+        self.history = []
 
     def on_epoch_end(self, epoch, logs=None):
         self.accuracy = float((self.model.predict(self.x_test, verbose=0).argmax(1) == self.y_test).mean())
+        self.history.append({"epoch": epoch + 1, "loss": float(logs["loss"]), "accuracy": self.accuracy})
         if hvd.rank() == 0:
             line = f"epoch {epoch + 1:2d}  loss {logs['loss']:.4f}  test accuracy {self.accuracy:.4f}"
             if self.compressor is not None:
@@ -78,8 +80,13 @@ def main() -> None:
         x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, steps_per_epoch=steps, verbose=0,
         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), report],
     )
+    wall = time.perf_counter() - start
     if hvd.rank() == 0:
-        print(f"done in {time.perf_counter() - start:.1f} s; final test accuracy {report.accuracy:.4f}", flush=True)
+        print(f"done in {wall:.1f} s; final test accuracy {report.accuracy:.4f}", flush=True)
+        dense_bytes = 4 * model.count_params() * steps * args.epochs  # float32 gradients, every step
+        sent = dense_bytes if compressor is None else compressor.stats()["bytes_sent"]
+        method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
+        write_summary(args.summary, "Keras", method, report.history, sent, dense_bytes, wall)
 
 
 if __name__ == "__main__":

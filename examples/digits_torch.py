@@ -13,7 +13,7 @@ import time
 
 import horovod.torch as hvd
 import torch
-from digits_data import load_split, parse_args
+from digits_data import load_split, parse_args, write_summary
 from torch import nn
 
 from horovod_topk.torch import TopKEF
@@ -59,6 +59,8 @@ def main() -> None:
               f"{len(x_train)} training images per worker, {len(x_test)} test images", flush=True)
 
     gen = torch.Generator().manual_seed(args.seed + hvd.rank())
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    dense_bytes, history = 0, []
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         model.train()
@@ -73,19 +75,25 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             total_loss += loss.item()
+            dense_bytes += gradient_bytes  # what plain Horovod hands its allreduces per step
         model.eval()
         with torch.no_grad():
             accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         mean_loss = hvd.allreduce(torch.tensor(total_loss / steps), name="loss").item()
+        history.append({"epoch": epoch, "loss": mean_loss, "accuracy": accuracy})
         if hvd.rank() == 0:
             line = f"epoch {epoch:2d}  loss {mean_loss:.4f}  test accuracy {accuracy:.4f}"
             if not args.dense:
-                s = optimizer._compression.stats()
+                s = compression.stats()
                 line += (f"  sent {s['bytes_sent'] / 1e6:.2f} MB vs dense {s['bytes_dense'] / 1e6:.2f} MB"
                          f" ({s['compression_ratio']:.1f}x less)")
             print(line, flush=True)
+    wall = time.perf_counter() - start
     if hvd.rank() == 0:
-        print(f"done in {time.perf_counter() - start:.1f} s; final test accuracy {accuracy:.4f}", flush=True)
+        print(f"done in {wall:.1f} s; final test accuracy {accuracy:.4f}", flush=True)
+        sent = dense_bytes if args.dense else compression.stats()["bytes_sent"]
+        method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
+        write_summary(args.summary, "PyTorch", method, history, sent, dense_bytes, wall)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def compress_all(m: Model, selector: str) -> List[torch.Tensor]:
 
 
 def decompress_all(m: Model, selector: str, gathered: List[torch.Tensor]) -> None:
-    """Into the gradient buffers, as TopKEF does (the kernel adds into the buffer its compress zeroed)."""
+    """Into the gradient buffers, as TopKEF does (the kernel zeroes the buffer and adds the payloads in)."""
     wire = torch.empty(0)
     for g, lay, buf in zip(m.grads, m.layouts, gathered):
         if selector == "sampled":

@@ -10,11 +10,13 @@ from __future__ import annotations
 import abc
 import math
 import warnings
-from typing import Any, Callable, Dict, Generic, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, Mapping, Optional, Tuple, TypeVar
 
 from .config import TopKConfig
 from .pending import PendingReduction, mark
 from .registry import ErrorFeedbackRegistry
+from .scopes import ScopeTable
+from .telemetry import Telemetry
 
 __all__ = ["TopKEFBase", "default_instance_method"]
 
@@ -42,8 +44,10 @@ class TopKEFBase(abc.ABC, Generic[R]):
     Args:
         ratio (float, optional): fraction of entries sent per step, in (0, 1]. Default 0.01.
         config (TopKConfig, optional): a ready configuration; exclusive with the keyword options.
+        summary_writer (optional): anything with ``add_scalar(tag, value, step)`` (a TensorBoard SummaryWriter):
+            receives the telemetry scalars every ``log_every`` steps (core.telemetry).
         **options: any other field of :class:`TopKConfig` (k, min_numel, selector, value_dtype, dense_fallback,
-            warmup_steps, momentum, spike_guard); an unknown name is a ValueError.
+            warmup_steps, momentum, spike_guard, log_every); an unknown name is a ValueError.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -52,7 +56,14 @@ class TopKEFBase(abc.ABC, Generic[R]):
             if method in cls.__dict__ and not isinstance(cls.__dict__[method], default_instance_method):
                 setattr(cls, method, default_instance_method(cls.__dict__[method]))
 
-    def __init__(self, ratio: Optional[float] = None, *, config: Optional[TopKConfig] = None, **options: Any) -> None:
+    def __init__(
+        self,
+        ratio: Optional[float] = None,
+        *,
+        config: Optional[TopKConfig] = None,
+        summary_writer: Any = None,
+        **options: Any,
+    ) -> None:
         if ratio is not None:
             options["ratio"] = ratio
         if config is not None:
@@ -66,6 +77,10 @@ class TopKEFBase(abc.ABC, Generic[R]):
         self.registry: ErrorFeedbackRegistry[R] = ErrorFeedbackRegistry()
         #: Warn once per compressor, not per step, when a tensor reached us with nothing to route it.
         self._warned_unrouted = False
+        #: The name prefix of each distributed optimizer given this object (core.scopes).
+        self.scopes = ScopeTable()
+        #: Reports every config.log_every steps (core.telemetry).
+        self.telemetry = Telemetry(self.config.log_every, summary_writer)
 
     @classmethod
     def default(cls) -> "TopKEFBase[R]":
@@ -75,6 +90,17 @@ class TopKEFBase(abc.ABC, Generic[R]):
             inst = cls()
             setattr(cls, "_default_instance", inst)
         return inst
+
+    def scope_for(self, parameters: Iterable[Tuple[str, Any]]) -> str:
+        """The name prefix for a distributed optimizer of ``parameters`` ((name, parameter) pairs), so that
+        several optimizers given this one object keep separate error-feedback state (see core.scopes)."""
+        return self.scopes.assign(parameters)
+
+    def _report_if_due(self, completed_steps: int, rank: Optional[int] = None) -> None:
+        """Called before a tensor starts step ``completed_steps + 1``: the telemetry report of the steps so far,
+        when one is due (TopKConfig.log_every)."""
+        if self.telemetry.due(completed_steps):
+            self.telemetry.report(completed_steps, self.stats(), rank)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.describe()[len('TopKConfig('):-1]})"
@@ -145,12 +171,14 @@ class TopKEFBase(abc.ABC, Generic[R]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. Shapes are checked when each tensor is next reduced."""
         self.registry.load_state_dict(state, self._import_residual)
+        self.telemetry.restart()
         self._after_load()
 
     @default_instance_method
     def reset(self) -> None:
         """Forget all residuals and counters (for a new training run with the same compressor object)."""
         self.registry.clear()
+        self.telemetry.restart()
 
     @default_instance_method
     def stats(self) -> Dict[str, Any]:
@@ -160,7 +188,9 @@ class TopKEFBase(abc.ABC, Generic[R]):
         dense ones); ``bytes_dense`` what plain Horovod would have handed over for the same tensors and steps;
         ``compression_ratio`` = bytes_dense / bytes_sent; ``residual_norm`` the L2 norm over all residuals;
         ``nonfinite_steps`` how many (tensor, step) pairs had a NaN/Inf gradient here (sent as such, residual kept);
-        ``guarded_steps`` how many had their gradient capped by TopKConfig.spike_guard.
+        ``guarded_steps`` how many had their gradient capped by TopKConfig.spike_guard; ``compress_seconds`` the
+        host time spent compressing (since start or load; on a GPU, launching).
+        Combined over every optimizer this object (or the class) was given to (core.scopes).
         """
         self._refresh_counters()
         steps, sent, dense = self.registry.totals()
@@ -176,4 +206,5 @@ class TopKEFBase(abc.ABC, Generic[R]):
             "tensors_dense": len(self.registry) - compressed,
             "nonfinite_steps": sum(int(r.nonfinite_steps) for _, r in self.registry),
             "guarded_steps": sum(r.guarded_steps for _, r in self.registry),
+            "compress_seconds": sum(r.compress_seconds for _, r in self.registry),
         }

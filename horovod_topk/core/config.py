@@ -60,6 +60,10 @@ class TopKConfig:
             A 100x gradient spike otherwise sits in the residual and crowds fresh gradients out of the payloads for
             ~75 steps (scripts/fault_study.py spike). Like gradient clipping it departs from what dense training
             would apply on such a step. Costs one read of the gradient per step. None (default): off.
+        log_every (int): telemetry (core.telemetry): every N steps, log one line through Python ``logging``
+            (bytes sent, compression ratio, residual norm, time spent compressing) and write those scalars to the
+            ``summary_writer=`` given to TopKEF, if any. Changes nothing on the wire; each report reads the
+            residual norms (one host sync on GPU every N steps). 0 (default): off.
     """
 
     ratio: float = 0.01
@@ -72,6 +76,7 @@ class TopKConfig:
     warmup_steps: int = 0
     momentum: float = 0.0
     spike_guard: Optional[float] = None
+    log_every: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
@@ -102,6 +107,8 @@ class TopKConfig:
             or not (math.isfinite(self.spike_guard) and self.spike_guard >= 1.0)
         ):
             raise ValueError(f"spike_guard must be None or a number >= 1, got {self.spike_guard!r}")
+        if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
+            raise ValueError(f"log_every must be a non-negative integer (0: no telemetry), got {self.log_every!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

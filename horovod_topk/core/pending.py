@@ -30,6 +30,8 @@ class PendingReduction:
     #: On a tensor's first step: a callable that raises core.consistency.RankMismatch unless every rank agrees
     #: about this tensor; the routing calls it before waiting for the tensor's own collective.
     check: Any = None
+    #: The prefix of the optimizer that compressed the tensor (core.scopes), put in front of its name.
+    scope: str = ""
 
 
 def mark(alias: Any, pending: PendingReduction) -> Any:

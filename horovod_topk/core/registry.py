@@ -41,6 +41,9 @@ class TensorRecord(Generic[R]):
     #: Running level of the gradient norm, and how many steps the gradient was capped (TopKConfig.spike_guard).
     gradient_level: float = 0.0
     guarded_steps: int = 0
+    #: Seconds of host time spent compressing this tensor (telemetry; not saved). On a GPU this is the time to
+    #: launch the work, not to run it: timing it would need a host sync.
+    compress_seconds: float = 0.0
     #: Whether the ranks' agreement about this tensor was checked (core.consistency) since it was created or
     #: loaded; not saved: a loaded state is checked again.
     verified: bool = False
@@ -70,11 +73,16 @@ class ErrorFeedbackRegistry(Generic[R]):
 
         A different shape under the same name means the model changed under us (or a checkpoint of another model
         was loaded): adding such a residual would corrupt training silently, so we stop and say which tensor.
+        A record without residual or momentum buffer (a tensor that went dense) has nothing to corrupt: it takes
+        the new shape, and the ranks' agreement about the tensor is checked again.
         """
         rec = self.records.get(name)
         if rec is None:
             rec = TensorRecord(shape=tuple(shape))
             self.records[name] = rec
+        elif tuple(rec.shape) != tuple(shape) and rec.residual is None and rec.momentum is None:
+            rec.shape = tuple(shape)
+            rec.verified = False
         elif tuple(rec.shape) != tuple(shape):
             raise ValueError(
                 f"horovod-topk: tensor {name!r} has shape {tuple(shape)} but its error-feedback state has shape "

@@ -9,6 +9,7 @@ routes the mark and the tensor is simply reduced dense.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -60,7 +61,8 @@ class TopKHandle:
     """Handle of one in-flight compressed reduction; calling it waits and returns the dense reduced gradient.
 
     Horovod's optimizer accepts a callable handle in ``synchronize()``. The result is written over ``out`` (the
-    gradient's own buffer, which holds this rank's gradient until then): no N-sized allocation per step.
+    gradient's own buffer, which compression only read: until this call it holds this rank's gradient, as with
+    Horovod's dense allreduce): no N-sized allocation per step.
     """
 
     def __init__(
@@ -110,7 +112,9 @@ class TopKEF(TopKEFBase[torch.Tensor]):
     residual, and build the dense average from all ranks' payloads. Pass the class for the defaults (ratio 0.01)
     or an object for other options; see :class:`horovod_topk.core.TopKConfig`.
 
-    Use one compressor object per optimizer: residuals are keyed by parameter name.
+    The class or one object may be given to several optimizers: each gets its own error-feedback state in it
+    (residuals are keyed by parameter name, prefixed per optimizer where names overlap; see core.scopes).
+    ``TopKEF(log_every=N, summary_writer=w)`` reports every N steps (core.telemetry).
     """
 
     def _alias(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -151,6 +155,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         if not record.verified:
             record.verified = True
             pending.check = self._agreement_check(name, record, tensor, plan.k, process_set)
+        self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
         if not plan.compressed:
@@ -178,6 +183,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         select_dtype = torch.float32 if layout.scaled else wire_dtype
         plain = PayloadLayout(plan.k, _dtype_token(select_dtype).element_size()) if layout.compact else layout
         backend = self._backend(tensor)
+        started = time.perf_counter()  # host time only: no sync on a GPU (there it is the launch time)
         # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer, on every
         # backend: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
         payload, nonfinite = backend.compress(
@@ -188,6 +194,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         if layout.compact:
             indices, values = ops.unpack(payload, 1, plain, select_dtype)
             payload = encoding.encode(indices[0], values[0], residual, layout)
+        record.compress_seconds += time.perf_counter() - started
         record.bytes_sent += layout.nbytes
         handle = allgather_async(payload, name=allgather_name(name), process_set=process_set)
         return TopKHandle(

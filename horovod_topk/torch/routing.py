@@ -6,21 +6,59 @@ that module's namespace, in memory* (nothing on disk changes) with functions tha
 mark straight to Horovod's originals, unchanged. A marked tensor is where the name is finally known, so its
 compressed reduction starts there; dense decisions go back to Horovod's own collectives (grouped ones stay grouped).
 
-``hvd.DistributedOptimizer`` itself is wrapped to refuse, at construction, what TopKEF cannot do (Adasum).
+``hvd.DistributedOptimizer`` itself is wrapped to refuse, at construction, what TopKEF cannot do (Adasum), and
+to give each optimizer its own scope in the TopKEF object it is handed (core.scopes): the class or one object
+given to several optimizers (a GAN's generator and discriminator, both with a ``weight``) keeps one
+error-feedback state per optimizer.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..core import group_member_name, pending_of, refuse_unsupported_op
 from .compressor import TopKEF, TopKHandle
 
-__all__ = ["install", "GroupHandle", "CheckedHandle"]
+__all__ = ["install", "GroupHandle", "CheckedHandle", "ScopedCompression"]
 
 _INSTALLED_FLAG = "_horovod_topk_routing"
+
+
+class ScopedCompression:
+    """What ``hvd.DistributedOptimizer`` is given in place of a TopKEF class or object: that object's compress and
+    decompress, with this optimizer's scope (the prefix of its tensors' names, core.scopes) on every mark."""
+
+    def __init__(self, compressor: TopKEF, scope: str) -> None:
+        self.compressor = compressor
+        self.scope = scope
+
+    def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        alias, pending = self.compressor.compress(tensor)
+        pending.scope = self.scope
+        return alias, pending
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.compressor.decompress(tensor, ctx)
+
+    def __getattr__(self, attribute: str) -> Any:  # stats(), state_dict(), config...: the shared object's
+        compressor = self.__dict__.get("compressor")  # absent while copy/pickle rebuild the object
+        if compressor is None:
+            raise AttributeError(attribute)
+        return getattr(compressor, attribute)
+
+    def __repr__(self) -> str:
+        return f"{self.compressor!r} (scope {self.scope!r})" if self.scope else repr(self.compressor)
+
+
+def _named_parameters(optimizer: Any, named_parameters: Optional[List[Any]]) -> List[Tuple[str, Any]]:
+    """The (name, parameter) pairs Horovod names the gradients after (its own names when none are given)."""
+    if named_parameters is not None:
+        return [p for p in named_parameters if isinstance(p, tuple) and len(p) == 2]
+    return [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(getattr(optimizer, "param_groups", []))
+            for j, v in enumerate(group["params"])]
 
 
 class CheckedHandle:
@@ -101,7 +139,7 @@ def install() -> None:
         pending = pending_of(tensor)
         if pending is not None and name is not None:
             handle = pending.compressor.start_reduction(
-                tensor, pending, name, op=op, prescale_factor=prescale_factor,
+                tensor, pending, pending.scope + name, op=op, prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor, process_set=process_set,
             )
             if handle is None:
@@ -137,7 +175,7 @@ def install() -> None:
             handle = None
             if pending is not None:
                 handle = pending.compressor.start_reduction(
-                    tensor, pending, group_member_name(name, position), op=op,
+                    tensor, pending, pending.scope + group_member_name(name, position), op=op,
                     prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set,
                 )
                 if pending.check is not None:
@@ -159,23 +197,34 @@ def install() -> None:
             return handle()
         return horovod_synchronize(handle)
 
+    signature = inspect.signature(horovod_distributed_optimizer)
+
     @functools.wraps(horovod_distributed_optimizer)
     def DistributedOptimizer(*args: Any, **kwargs: Any) -> Any:
-        compression = kwargs.get("compression", args[2] if len(args) > 2 else None)
-        op = kwargs.get("op", args[4] if len(args) > 4 else None)
+        bound = signature.bind(*args, **kwargs)  # a TypeError for bad arguments, as Horovod's own would raise
+        bound.apply_defaults()
+        arguments = bound.arguments
+        compression = arguments["compression"]
         uses_topk = isinstance(compression, TopKEF) or (
             isinstance(compression, type) and issubclass(compression, TopKEF)
         )
-        refuse_unsupported_op(uses_topk, op, Average, Sum, Adasum)
-        optimizer = args[0] if args else kwargs.get("optimizer")
-        topk_momentum = uses_topk and (compression.config if isinstance(compression, TopKEF)
-                                       else compression.default().config).momentum > 0
-        if topk_momentum and any(group.get("momentum", 0) for group in getattr(optimizer, "param_groups", [])):
+        refuse_unsupported_op(uses_topk, arguments["op"], Average, Sum, Adasum)
+        if not uses_topk:
+            return horovod_distributed_optimizer(*args, **kwargs)
+        compressor = compression if isinstance(compression, TopKEF) else compression.default()
+        optimizer = arguments["optimizer"]
+        if compressor.config.momentum > 0 and any(
+            group.get("momentum", 0) for group in getattr(optimizer, "param_groups", [])
+        ):
             raise ValueError(
                 "horovod-topk: TopKEF(momentum=...) applies the momentum itself (DGC momentum correction); "
                 "set the optimizer's momentum to 0, or leave TopKEF's momentum at 0."
             )
-        return horovod_distributed_optimizer(*args, **kwargs)
+        if arguments["named_parameters"] is not None:  # may be a generator: read it once, hand Horovod the list
+            arguments["named_parameters"] = list(arguments["named_parameters"])
+        scope = compressor.scope_for(_named_parameters(optimizer, arguments["named_parameters"]))
+        arguments["compression"] = ScopedCompression(compressor, scope)
+        return horovod_distributed_optimizer(*bound.args, **bound.kwargs)
 
     hvd_optimizer.allreduce_async_ = allreduce_async_
     hvd_optimizer.grouped_allreduce_async_ = grouped_allreduce_async_

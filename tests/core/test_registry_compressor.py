@@ -25,8 +25,21 @@ def test_record_is_created_once_and_shape_is_enforced():
     reg = ErrorFeedbackRegistry()
     rec = reg.record("w", (2, 3))
     assert reg.record("w", (2, 3)) is rec and rec.numel == 6
+    rec.residual = [0.0] * 6
     with pytest.raises(ValueError, match="'w' has shape \\(3, 2\\)"):
         reg.record("w", (3, 2))
+
+
+@pytest.mark.parametrize("state", ["residual", "momentum"])
+def test_only_a_record_with_state_refuses_another_shape(state):
+    reg = ErrorFeedbackRegistry()
+    dense = reg.record("weight", (10, 1, 1, 1))  # went dense: nothing that a new shape could corrupt
+    dense.steps, dense.verified = 3, True
+    assert reg.record("weight", (1, 10, 1, 1)) is dense
+    assert dense.shape == (1, 10, 1, 1) and dense.steps == 3 and not dense.verified  # checked again by the ranks
+    setattr(dense, state, [0.0] * 10)
+    with pytest.raises(ValueError, match="error-feedback state has shape \\(1, 10, 1, 1\\)"):
+        reg.record("weight", (10, 1, 1, 1))
 
 
 def test_state_round_trip_and_stats():
