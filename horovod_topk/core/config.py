@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
+from .exchange import EXCHANGES
+
 __all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES"]
 
 #: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
@@ -38,8 +40,12 @@ class TopKConfig:
         selector (str): "sampled" (default) or "exact"; see SELECTORS.
         value_dtype (str, optional): send values as "float16"/"bfloat16" (6 bytes per entry instead of 8); the
             rounding error stays in the residual, so nothing is lost. None sends the gradient's dtype.
-        dense_fallback (bool): send a tensor dense when the allgather would hand over more bytes than a ring
-            allreduce: P * k * (4 + value bytes) > 2 * (P - 1) / P * N * (gradient bytes). Default True.
+        dense_fallback (bool): send a tensor dense when a ring allreduce (2 (P - 1) / P * N * gradient bytes per
+            rank) moves fewer bytes than the chosen sparse exchange (core.exchange's cost model). Default True.
+        exchange (str): how the selected entries travel (core.exchange): "allgather" (every rank receives every
+            rank's k entries: (P - 1) k per rank), "sparse_allreduce" (an alltoall to region owners who sum and
+            keep ceil(k/P) each, then an allgather: ~2.1 k per rank whatever P; PyTorch only for now), or "auto"
+            (default): per tensor, whichever moves fewer bytes at this world size.
         warmup_steps (int): sparsity warm-up (DGC): over the first W steps of each tensor the ratio decays
             exponentially from 1 to ``ratio`` (ratio_t = ratio ** (t / W)); with dense_fallback the first steps
             are therefore dense. 0 (default) disables it.
@@ -62,6 +68,7 @@ class TopKConfig:
     warmup_steps: int = 0
     momentum: float = 0.0
     spike_guard: Optional[float] = None
+    exchange: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
@@ -91,6 +98,9 @@ class TopKConfig:
         ):
             raise ValueError(f"spike_guard must be None or a number >= 1, got {self.spike_guard!r}")
 
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
@@ -107,7 +117,8 @@ class TopKConfig:
         defaults = TopKConfig()
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
-            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum", "spike_guard")
+            for name in ("selector", "value_dtype", "dense_fallback", "warmup_steps", "momentum", "spike_guard",
+                         "exchange")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

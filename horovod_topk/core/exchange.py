@@ -1,0 +1,196 @@
+"""How a compressed tensor's selected entries travel between ranks, and what each way costs.
+
+Two exchanges carry the k (index, value) pairs each rank selected:
+
+``allgather``
+    every rank receives every other rank's k pairs: (P - 1) * k entries per rank and step, growing with P.
+
+``sparse_allreduce``
+    a sparse reduce-scatter then an allgather over a partition of the index space into P regions (Ok-Topk, Li &
+    Hoefler, PPoPP 2022). Phase 1, one alltoall: each rank sends the selected entries that fall in region j to
+    rank j, at most ``capacity`` of them per destination (the rest stay in the sender's residual), so every
+    alltoall has the same size on every step. Phase 2, one allgather: each region's owner sums what it received
+    and keeps the ``kept_per_owner`` = ceil(k / P) largest sums; every rank receives all owners' kept pairs and
+    applies the same <= k entries. Per rank about (P - 1) / P * (capacity + kept) * P entries: ~2.1 k whatever P.
+
+Which one a tensor uses (or a dense ring allreduce) is :func:`choose_exchange`, a pure function of numbers every
+rank has, so every rank takes the same decision without talking.
+
+The region of index i is a multiplicative hash of i (Knuth's 2654435761, the top bits of the low 32-bit word),
+not a contiguous block: Top-K entries cluster in few output channels / vocabulary rows, so contiguous blocks load
+one owner with most of the k entries (its capacity overflows, the others idle). Measured on the selected entries
+of real gradients (scripts/region_balance.py, ratio 0.01, the largest per-region share of a rank's k selected
+entries in units of k / P, mean over 20 steps of the digits CNN's conv2 and fc1 weights and a 20k x 32 embedding):
+
+    ==========  ===========  ==========  ============
+    split       P = 4        P = 8       P = 32
+    ==========  ===========  ==========  ============
+    contiguous  see script   see script  see script
+    hash        see script   see script  see script
+    ==========  ===========  ==========  ============
+
+(The numbers are written in PROPOSED README text next to the command; the hash stays within the binomial noise of
+a uniform split, which is what CAPACITY_SLACK is sized for.)
+
+Standard library only, like the rest of core.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+from .payload import PayloadLayout
+
+__all__ = [
+    "EXCHANGES",
+    "AUTO",
+    "ALLGATHER",
+    "SPARSE_ALLREDUCE",
+    "DENSE",
+    "HASH_MULTIPLIER",
+    "CAPACITY_SLACK",
+    "region_of",
+    "capacity",
+    "kept_per_owner",
+    "SparseAllreduceLayouts",
+    "dense_nbytes",
+    "allgather_exchange_nbytes",
+    "sparse_allreduce_nbytes",
+    "exchange_nbytes",
+    "choose_exchange",
+]
+
+AUTO = "auto"
+ALLGATHER = "allgather"
+SPARSE_ALLREDUCE = "sparse_allreduce"
+DENSE = "dense"
+#: The values TopKConfig.exchange accepts.
+EXCHANGES = (AUTO, ALLGATHER, SPARSE_ALLREDUCE)
+
+#: Knuth's multiplicative hash constant (~2**32 / golden ratio): consecutive indices land in regions far apart.
+HASH_MULTIPLIER = 2654435761
+#: Per-destination capacity over the mean k / P. A rank's k entries spread over P regions like a binomial
+#: (k, 1/P) draw under the hash; 10% slack keeps the alltoall at 1.1 k entries per rank (the bar is 2.2 k for both
+#: phases together) while overflow, which only delays entries to a later step through the residual, stays rare
+#: for k / P in the hundreds and above.
+CAPACITY_SLACK = 1.1
+
+
+def region_of(index: int, world_size: int) -> int:
+    """The rank that owns ``index`` (0 <= index < 2**31): ((index * HASH_MULTIPLIER) mod 2**32) * P >> 32.
+
+    The frameworks compute the same formula on tensors in int64 (index < 2**31 and P <= 2**31 keep every product
+    below 2**63)."""
+    return (((index * HASH_MULTIPLIER) & 0xFFFFFFFF) * world_size) >> 32
+
+
+def capacity(k: int, world_size: int) -> int:
+    """Entries a rank sends to each owner in phase 1: ceil(CAPACITY_SLACK * k / P), at least 1, at most k."""
+    if k < 1 or world_size < 1:
+        raise ValueError(f"capacity needs k >= 1 and world_size >= 1, got k={k}, world_size={world_size}")
+    return max(1, min(k, math.ceil(CAPACITY_SLACK * k / world_size - 1e-9)))
+
+
+def kept_per_owner(k: int, world_size: int) -> int:
+    """Sums each owner keeps and re-sends in phase 2: ceil(k / P), so every rank applies at most ~k entries."""
+    if k < 1 or world_size < 1:
+        raise ValueError(f"kept_per_owner needs k >= 1 and world_size >= 1, got k={k}, world_size={world_size}")
+    return math.ceil(k / world_size)
+
+
+@dataclass(frozen=True)
+class SparseAllreduceLayouts:
+    """The fixed-size buffers of one tensor's sparse allreduce.
+
+    ``send``: one PayloadLayout of ``capacity`` entries per destination; the alltoall buffer is P of them back to
+    back (splits all equal to ``send.nbytes``), unused slots hold index -1 and value 0.
+    ``kept``: the PayloadLayout of one owner's ``kept_per_owner`` sums in the phase-2 allgather (unused: -1, 0).
+    """
+
+    k: int
+    world_size: int
+    value_itemsize: int
+
+    @property
+    def send(self) -> PayloadLayout:
+        return PayloadLayout(capacity(self.k, self.world_size), self.value_itemsize)
+
+    @property
+    def kept(self) -> PayloadLayout:
+        return PayloadLayout(kept_per_owner(self.k, self.world_size), self.value_itemsize)
+
+    @property
+    def alltoall_nbytes(self) -> int:
+        """Bytes of the whole phase-1 buffer (P blocks, one per destination)."""
+        return self.world_size * self.send.nbytes
+
+
+# ---- cost model --------------------------------------------------------------------------------------------------
+# Bytes one rank sends over its links per tensor and step (with the ring/pairwise algorithms Horovod's backends use,
+# it receives as many). A rank's own block never crosses a link. Collective headers and Horovod's negotiation are
+# left out: they do not grow with N or k.
+
+
+def dense_nbytes(world_size: int, numel: int, grad_itemsize: int) -> float:
+    """Ring allreduce: 2 (P - 1) / P * N * itemsize."""
+    return 2.0 * (world_size - 1) / world_size * numel * grad_itemsize
+
+
+def allgather_exchange_nbytes(world_size: int, k: int, value_itemsize: int) -> int:
+    """Allgather of k-entry payloads: (P - 1) * payload bytes."""
+    return (world_size - 1) * PayloadLayout(k, value_itemsize).nbytes
+
+
+def sparse_allreduce_nbytes(world_size: int, k: int, value_itemsize: int) -> int:
+    """Alltoall of P capacity-sized blocks (P - 1 leave the rank) + allgather of ceil(k/P)-entry payloads."""
+    layouts = SparseAllreduceLayouts(k, world_size, value_itemsize)
+    return (world_size - 1) * (layouts.send.nbytes + layouts.kept.nbytes)
+
+
+def exchange_nbytes(
+    exchange: str, world_size: int, numel: int, k: int, value_itemsize: int, grad_itemsize: int
+) -> float:
+    """Bytes per rank of one tensor's step under ``exchange`` ("dense", "allgather" or "sparse_allreduce")."""
+    if exchange == DENSE:
+        return dense_nbytes(world_size, numel, grad_itemsize)
+    if exchange == ALLGATHER:
+        return allgather_exchange_nbytes(world_size, k, value_itemsize)
+    if exchange == SPARSE_ALLREDUCE:
+        return sparse_allreduce_nbytes(world_size, k, value_itemsize)
+    raise ValueError(f"unknown exchange {exchange!r}; expected one of {DENSE!r}, {ALLGATHER!r}, {SPARSE_ALLREDUCE!r}")
+
+
+def choose_exchange(
+    requested: str,
+    world_size: int,
+    numel: int,
+    k: int,
+    value_itemsize: int,
+    grad_itemsize: int,
+    *,
+    dense_fallback: bool = True,
+    sparse_available: bool = True,
+) -> Tuple[str, float]:
+    """(exchange, its bytes per rank) for one compressed tensor: the cheapest of the allowed ones.
+
+    ``requested`` "auto" allows allgather and (when the framework has it, ``sparse_available``) the sparse
+    allreduce; a named exchange allows only itself. With ``dense_fallback`` a dense ring allreduce wins whenever it
+    moves fewer bytes. Ties go to the earlier of dense, allgather, sparse_allreduce: fewer collectives, less latency.
+    On one rank nothing travels: the allgather (a local copy) is taken.
+    """
+    if requested not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {requested!r}")
+    if requested == SPARSE_ALLREDUCE and not sparse_available:
+        raise ValueError("exchange='sparse_allreduce' is not available in this framework")
+    if world_size <= 1 and requested == AUTO:
+        return ALLGATHER, 0.0
+    allowed = [ALLGATHER, SPARSE_ALLREDUCE] if requested == AUTO else [requested]
+    if requested == AUTO and not sparse_available:
+        allowed = [ALLGATHER]
+    candidates = ([DENSE] if dense_fallback and world_size > 1 else []) + allowed
+    costs = [(exchange_nbytes(e, world_size, numel, k, value_itemsize, grad_itemsize), i, e)
+             for i, e in enumerate(candidates)]
+    cost, _, best = min(costs)
+    return best, cost
+
