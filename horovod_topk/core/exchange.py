@@ -36,9 +36,10 @@ Standard library only, like the rest of core.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .payload import PayloadLayout
 
@@ -51,6 +52,7 @@ __all__ = [
     "HASH_MULTIPLIER",
     "CAPACITY_SLACK",
     "region_of",
+    "largest_region",
     "capacity",
     "kept_per_owner",
     "SparseAllreduceLayouts",
@@ -85,17 +87,38 @@ def region_of(index: int, world_size: int) -> int:
     return (((index * HASH_MULTIPLIER) & 0xFFFFFFFF) * world_size) >> 32
 
 
-def capacity(k: int, world_size: int) -> int:
-    """Entries a rank sends to each owner in phase 1: ceil(CAPACITY_SLACK * k / P), at least 1, at most k."""
+@functools.lru_cache(maxsize=256)
+def largest_region(numel: int, world_size: int) -> int:
+    """The number of indices of [0, numel) in the largest region. O(numel) once per (numel, P): only needed when
+    every entry is selected (k == numel), see capacity()."""
+    counts = [0] * world_size
+    for index in range(numel):
+        counts[region_of(index, world_size)] += 1
+    return max(counts)
+
+
+def _check(what: str, k: int, world_size: int) -> None:
     if k < 1 or world_size < 1:
-        raise ValueError(f"capacity needs k >= 1 and world_size >= 1, got k={k}, world_size={world_size}")
+        raise ValueError(f"{what} needs k >= 1 and world_size >= 1, got k={k}, world_size={world_size}")
+
+
+def capacity(k: int, world_size: int, numel: Optional[int] = None) -> int:
+    """Entries a rank sends to each owner in phase 1: ceil(CAPACITY_SLACK * k / P), at least 1, at most k.
+
+    When every entry is selected (k == ``numel``) it is the largest region's size instead, so that nothing
+    overflows and ratio 1.0 is exactly a dense allreduce (what the parity tests check)."""
+    _check("capacity", k, world_size)
+    if numel is not None and k >= numel:
+        return largest_region(numel, world_size)
     return max(1, min(k, math.ceil(CAPACITY_SLACK * k / world_size - 1e-9)))
 
 
-def kept_per_owner(k: int, world_size: int) -> int:
-    """Sums each owner keeps and re-sends in phase 2: ceil(k / P), so every rank applies at most ~k entries."""
-    if k < 1 or world_size < 1:
-        raise ValueError(f"kept_per_owner needs k >= 1 and world_size >= 1, got k={k}, world_size={world_size}")
+def kept_per_owner(k: int, world_size: int, numel: Optional[int] = None) -> int:
+    """Sums each owner keeps and re-sends in phase 2: ceil(k / P), so every rank applies at most ~k entries
+    (the largest region's size when k == ``numel``, as for capacity())."""
+    _check("kept_per_owner", k, world_size)
+    if numel is not None and k >= numel:
+        return largest_region(numel, world_size)
     return math.ceil(k / world_size)
 
 
@@ -111,14 +134,15 @@ class SparseAllreduceLayouts:
     k: int
     world_size: int
     value_itemsize: int
+    numel: Optional[int] = None
 
     @property
     def send(self) -> PayloadLayout:
-        return PayloadLayout(capacity(self.k, self.world_size), self.value_itemsize)
+        return PayloadLayout(capacity(self.k, self.world_size, self.numel), self.value_itemsize)
 
     @property
     def kept(self) -> PayloadLayout:
-        return PayloadLayout(kept_per_owner(self.k, self.world_size), self.value_itemsize)
+        return PayloadLayout(kept_per_owner(self.k, self.world_size, self.numel), self.value_itemsize)
 
     @property
     def alltoall_nbytes(self) -> int:
@@ -142,9 +166,9 @@ def allgather_exchange_nbytes(world_size: int, k: int, value_itemsize: int) -> i
     return (world_size - 1) * PayloadLayout(k, value_itemsize).nbytes
 
 
-def sparse_allreduce_nbytes(world_size: int, k: int, value_itemsize: int) -> int:
+def sparse_allreduce_nbytes(world_size: int, k: int, value_itemsize: int, numel: Optional[int] = None) -> int:
     """Alltoall of P capacity-sized blocks (P - 1 leave the rank) + allgather of ceil(k/P)-entry payloads."""
-    layouts = SparseAllreduceLayouts(k, world_size, value_itemsize)
+    layouts = SparseAllreduceLayouts(k, world_size, value_itemsize, numel)
     return (world_size - 1) * (layouts.send.nbytes + layouts.kept.nbytes)
 
 
@@ -157,6 +181,8 @@ def exchange_nbytes(
     if exchange == ALLGATHER:
         return allgather_exchange_nbytes(world_size, k, value_itemsize)
     if exchange == SPARSE_ALLREDUCE:
+        # The slack formula even at k == N, where the layouts use the largest region instead (within a few % of
+        # it): that region's O(N) count is only worth making for a tensor that takes the sparse allreduce.
         return sparse_allreduce_nbytes(world_size, k, value_itemsize)
     raise ValueError(f"unknown exchange {exchange!r}; expected one of {DENSE!r}, {ALLGATHER!r}, {SPARSE_ALLREDUCE!r}")
 

@@ -30,8 +30,10 @@ from ..core import (
 )
 from ..core.policy import residual_world_factor, spike_guard_scale
 from . import ops
+from .exchange import ExchangeRequest
+from .sparse_allreduce import SparseAllreduce
 
-__all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
+__all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather"]
 
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -111,6 +113,18 @@ class TopKHandle:
         return self._result
 
 
+def start_allgather(request: ExchangeRequest) -> TopKHandle:
+    """The allgather exchange (core.exchange): every rank receives every rank's payload, one collective."""
+    from horovod.torch.mpi_ops import allgather_async, synchronize
+
+    request.record.bytes_sent += request.layout.nbytes
+    handle = allgather_async(request.payload, name=allgather_name(request.name), process_set=request.process_set)
+    return TopKHandle(
+        request.name, handle, synchronize, request.layout, request.world_size, request.wire_dtype, request.out,
+        request.shape, request.scale, request.kernels,
+    )
+
+
 class TopKEF(TopKEFBase[torch.Tensor]):
     """Top-K with error feedback for ``hvd.DistributedOptimizer(..., compression=TopKEF)``.
 
@@ -142,7 +156,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         The caller issues the dense allreduce itself for a None, so that dense tensors of a group stay one
         grouped collective.
         """
-        from horovod.torch.mpi_ops import Average, Sum, allgather_async, synchronize
+        from horovod.torch.mpi_ops import Average, Sum
 
         op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         world_size = process_set.size()
@@ -152,14 +166,14 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         plan = plan_tensor(
             name, tensor.numel(), tensor.is_floating_point(), self.config, world_size=world_size,
             step=record.steps, value_itemsize=_dtype_token(wire_dtype).element_size(),
-            grad_itemsize=tensor.element_size(),
+            grad_itemsize=tensor.element_size(), sparse_available=True,
         )
         dense_nbytes = tensor.numel() * tensor.element_size()
         if self.config.spike_guard is not None and tensor.is_floating_point():
             self._guard_spike(record, tensor)
         if not record.verified:
             record.verified = True
-            pending.check = self._agreement_check(name, record, tensor, plan.k, process_set)
+            pending.check = self._agreement_check(name, record, tensor, plan.k, process_set, plan.exchange)
         record.steps += 1
         record.bytes_dense += dense_nbytes
         if not plan.compressed:
@@ -203,11 +217,17 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             else:
                 record.nonfinite_steps += 1
             payload = ops.pack(*selection, layout)
-        record.bytes_sent += layout.nbytes
-        handle = allgather_async(payload, name=allgather_name(name), process_set=process_set)
-        return TopKHandle(
-            name, handle, synchronize, layout, world_size, wire_dtype, flat, tuple(tensor.shape), scale, kernels
-        )
+        request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
+                                  process_set, kernels, residual, record)
+        return self._exchange(plan.exchange)(request)
+
+    def _exchange(self, exchange: str) -> Callable[[ExchangeRequest], Any]:
+        """The function that carries a selected payload under ``exchange`` (core.exchange) and returns its handle."""
+        if exchange == "sparse_allreduce":
+            if getattr(self, "_sparse_allreduce", None) is None:
+                self._sparse_allreduce = SparseAllreduce()
+            return self._sparse_allreduce.start
+        return start_allgather
 
     def _guard_spike(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
         """TopKConfig.spike_guard: scale the gradient in place (like clip_grad_norm_; the alias shares its storage)
@@ -221,12 +241,13 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             record.guarded_steps += 1
 
     def _agreement_check(
-        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, k: Optional[int], process_set: Any
+        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, k: Optional[int], process_set: Any,
+        route: Optional[str] = None,
     ) -> "AgreementCheck":
         """Start the fingerprint allgather of this tensor's first step (core.consistency)."""
         from horovod.torch.mpi_ops import allgather_async, synchronize
 
-        rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, k)],
+        rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, k, route)],
                             dtype=torch.int64)
         return AgreementCheck(name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize)
 

@@ -97,3 +97,15 @@ def test_fingerprint_covers_the_exchange_and_the_route():
     assert "exchange ('auto'" in message.replace("rank 0: ", "") or "exchange (rank 0: 'auto'" in message
     assert "route (rank 0: allgather, rank 1: sparse_allreduce)" in message
     assert mismatch_message("w", [a, list(a)]) is None
+
+
+def test_every_entry_selected_fits_without_overflow():
+    from horovod_topk.core.exchange import largest_region
+
+    for numel, world in ((4, 2), (100, 3), (2048, 2), (2048, 4)):
+        counts = [0] * world
+        for i in range(numel):
+            counts[region_of(i, world)] += 1
+        assert largest_region(numel, world) == max(counts)
+        assert capacity(numel, world, numel) == max(counts) == kept_per_owner(numel, world, numel)
+    assert capacity(10, 2, 1000) == 6  # k < N: the slack formula
