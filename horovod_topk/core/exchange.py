@@ -77,6 +77,9 @@ HASH_MULTIPLIER = 2654435761
 #: phases together) while overflow, which only delays entries to a later step through the residual, stays rare
 #: for k / P in the hundreds and above.
 CAPACITY_SLACK = 1.1
+#: Entries per rank the two phases together may move, in units of k: P * (capacity + kept) <= 2.2 k whenever
+#: k >= P (one entry per owner at least; below that the allgather or dense is cheaper anyway).
+BYTES_BUDGET = 2.2
 
 
 def region_of(index: int, world_size: int) -> int:
@@ -103,14 +106,17 @@ def _check(what: str, k: int, world_size: int) -> None:
 
 
 def capacity(k: int, world_size: int, numel: Optional[int] = None) -> int:
-    """Entries a rank sends to each owner in phase 1: ceil(CAPACITY_SLACK * k / P), at least 1, at most k.
+    """Entries a rank sends to each owner in phase 1: ceil(CAPACITY_SLACK * k / P), but never so many that
+    P * (capacity + kept_per_owner) exceeds 2.2 k (the byte budget of the exchange: it binds when k / P is small and
+    the ceilings dominate); at least 1, at most k.
 
     When every entry is selected (k == ``numel``) it is the largest region's size instead, so that nothing
     overflows and ratio 1.0 is exactly a dense allreduce (what the parity tests check)."""
     _check("capacity", k, world_size)
     if numel is not None and k >= numel:
         return largest_region(numel, world_size)
-    return max(1, min(k, math.ceil(CAPACITY_SLACK * k / world_size - 1e-9)))
+    budget = math.floor(BYTES_BUDGET * k / world_size + 1e-9) - kept_per_owner(k, world_size)
+    return max(1, min(k, budget, math.ceil(CAPACITY_SLACK * k / world_size - 1e-9)))
 
 
 def kept_per_owner(k: int, world_size: int, numel: Optional[int] = None) -> int:

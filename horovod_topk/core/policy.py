@@ -102,11 +102,11 @@ def plan_tensor(
     refused with an error that names it.
     """
     if not is_floating:
-        return TensorPlan(numel, None, "not floating point")
+        return TensorPlan(numel, None, "not floating point", DENSE)
     if numel == 0:
-        return TensorPlan(numel, None, "empty")
+        return TensorPlan(numel, None, "empty", DENSE)
     if numel < config.min_numel:
-        return TensorPlan(numel, None, f"smaller than min_numel={config.min_numel}")
+        return TensorPlan(numel, None, f"smaller than min_numel={config.min_numel}", DENSE)
     if numel > MAX_COMPRESSED_NUMEL:
         raise ValueError(
             f"tensor {name!r} has {numel} elements; Top-K payloads index with int32, so a compressed tensor must "

@@ -44,10 +44,11 @@ def test_capacity_and_kept_count():
         capacity(0, 4)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
-@pytest.mark.parametrize("k", [21_000, 100_000, 1_000_000])
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 1024])
+@pytest.mark.parametrize("k", [10_486, 21_000, 100_000, 1_000_000, "P", "1.5P", "2P+1"])
 def test_sparse_allreduce_meets_the_bar_at_every_world_size(world, k):
-    """<= 2.2 * k * 8 bytes per rank per tensor and step, whatever P (float32 values)."""
+    """<= 2.2 * k * 8 bytes per rank per tensor and step, whatever P >= 2 (float32 values), for k >= P."""
+    k = {"P": world, "1.5P": world * 3 // 2, "2P+1": 2 * world + 1}.get(k, k)
     assert sparse_allreduce_nbytes(world, k, 4) <= 2.2 * k * 8
     layouts = SparseAllreduceLayouts(k, world, 4)
     assert layouts.alltoall_nbytes == world * layouts.send.nbytes
@@ -82,6 +83,7 @@ def test_plan_carries_the_exchange():
     assert plan_tensor("w", 10**6, True, cfg, world_size=8).exchange == "allgather"
     plan = plan_tensor("w", 10**6, True, TopKConfig(ratio=0.5), world_size=8, sparse_available=True)
     assert plan.exchange == "dense" and not plan.compressed
+    assert plan_tensor("b", 10, True, cfg, world_size=8).exchange == "dense"
 
 
 def test_collective_names_are_distinct_per_phase_and_tensor():
