@@ -18,19 +18,30 @@ rank has, so every rank takes the same decision without talking.
 
 The region of index i is a multiplicative hash of i (Knuth's 2654435761, the top bits of the low 32-bit word),
 not a contiguous block: Top-K entries cluster in few output channels / vocabulary rows, so contiguous blocks load
-one owner with most of the k entries (its capacity overflows, the others idle). Measured on the selected entries
-of real gradients (scripts/region_balance.py, ratio 0.01, the largest per-region share of a rank's k selected
-entries in units of k / P, mean over 20 steps of the digits CNN's conv2 and fc1 weights and a 20k x 32 embedding):
+one owner with most of the k entries (its capacity overflows, the others idle). Measured on real gradients
+(``python scripts/region_balance.py``: the digits CNN trained on its data and a character GRU language model,
+ratio 0.01 with error feedback, 20 steps): the largest region's count in units of k / P, mean over steps, and in
+brackets the share of the k entries over the phase-1 capacity:
 
-    ==========  ===========  ==========  ============
-    split       P = 4        P = 8       P = 32
-    ==========  ===========  ==========  ============
-    contiguous  see script   see script  see script
-    hash        see script   see script  see script
-    ==========  ===========  ==========  ============
+    ======================  ===========  ==================  ==================  ==================
+    tensor                  split        P = 4               P = 8               P = 32
+    ======================  ===========  ==================  ==================  ==================
+    CNN conv weight         contiguous   1.32  (6.1%)        1.70  (10.9%)       3.92  (33.1%)
+                            interleave   1.14  (1.0%)        1.29  (3.0%)        2.89  (31.1%)
+                            hash         1.17  (1.8%)        1.27  (2.8%)        1.87  (12.7%)
+    LM embedding            contiguous   2.66  (44.0%)       3.03  (57.9%)       4.12  (63.7%)
+                            interleave   1.23  (3.2%)        1.59  (8.8%)        3.51  (34.1%)
+                            hash         1.16  (1.1%)        1.32  (3.1%)        1.96  (17.6%)
+    LM GRU weight_hh        contiguous   3.30  (54.9%)       3.78  (58.0%)       5.39  (62.8%)
+                            interleave   1.22  (3.4%)        1.40  (7.1%)        2.43  (19.2%)
+                            hash         1.08  (0.2%)        1.17  (1.0%)        1.49  (4.6%)
+    CNN fc1 weight          contiguous   1.32  (6.2%)        1.84  (13.0%)       3.92  (33.6%)
+                            hash         1.06  (0.0%)        1.11  (0.3%)        1.33  (1.9%)
+    ======================  ===========  ==================  ==================  ==================
 
-(The numbers are written in PROPOSED README text next to the command; the hash stays within the binomial noise of
-a uniform split, which is what CAPACITY_SLACK is sized for.)
+The hash is the most even in every case measured; what remains at P = 32 is mostly the binomial noise of small
+k / P (these tensors have k of a few tens to a few hundreds), which shrinks as 1 / sqrt(k / P). Overflowed entries
+are not lost: they stay in the sender's residual and go out on a later step.
 
 Standard library only, like the rest of core.
 """
