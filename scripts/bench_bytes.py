@@ -81,6 +81,10 @@ def worker(steps: int) -> None:
         tx = (int(counter.read_text()) - tx0) / steps
         hvd.allreduce(torch.zeros(1), name=f"bytes.end.{method}")
         per_host = hvd.allgather_object(tx)
+        exchange = getattr(compression, "_sparse_allreduce", None)
+        if exchange is not None and hvd.rank() == 0:  # how often phase 2 did not wait for synchronize()
+            print(f"PHASE2 early={exchange.phase2_started_early} "
+                  f"in_synchronize={exchange.phase2_started_in_synchronize}", flush=True)
         if hvd.rank() == 0:
             mean = sum(per_host) / len(per_host)
             print(f"BYTES method={method} P={hvd.size()} tx_per_step_mean={mean:.0f} "

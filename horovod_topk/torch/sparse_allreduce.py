@@ -83,6 +83,7 @@ class SparseAllreduceHandle:
         from horovod.torch.mpi_ops import poll
 
         if self._phase1 is not None and poll(self._phase1):
+            self._exchange.phase2_started_early += 1
             self._start_phase2()
 
     def _start_phase2(self) -> None:
@@ -152,6 +153,10 @@ class SparseAllreduce:
 
     def __init__(self) -> None:
         self._in_flight: List[SparseAllreduceHandle] = []
+        #: How many phase 2s started before synchronize() (phase 1 seen complete when a later tensor started)
+        #: and how many only in synchronize(): how much of the chaining the polling hides.
+        self.phase2_started_early = 0
+        self.phase2_started_in_synchronize = 0
 
     def start_all_phase2(self) -> None:
         """Start phase 2 of every handle still waiting for phase 1 (blocking on their phase 1: by the time
@@ -159,6 +164,7 @@ class SparseAllreduce:
         waiting, self._in_flight = self._in_flight, []
         for handle in waiting:
             if handle.waiting_for_phase1:
+                self.phase2_started_in_synchronize += 1
                 handle._start_phase2()
 
     def start(self, request: ExchangeRequest) -> SparseAllreduceHandle:

@@ -7,6 +7,7 @@ import torch
 from horovod_topk.core import RankMismatch
 from horovod_topk.torch import TopKEF
 
+from .conftest import SINGLE_RANK_SETS
 from .torch_harness import assert_same_params, differs, train
 
 SPARSE = dict(min_numel=0, dense_fallback=False, exchange="sparse_allreduce")
@@ -91,3 +92,11 @@ def test_nonfinite_gradient_reaches_every_rank_and_stays_out_of_residuals():
     assert bool(torch.isfinite(compressor.registry.records["w"].residual).all())
 
 
+
+
+def test_process_set():
+    my_set = SINGLE_RANK_SETS[hvd.rank()]
+    plain = train(hvd.Compression.none, process_set=my_set)
+    ours = train(TopKEF(ratio=1.0, **SPARSE), process_set=my_set)
+    assert_same_params(ours, plain)
+    assert differs(ours, train(hvd.Compression.none)), "a one-rank process set must not average with the other"
