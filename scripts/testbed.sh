@@ -85,14 +85,22 @@ run() {
   for i in $(seq 1 "$n"); do hosts+="${hosts:+,}$SUBNET.$i:1"; done
   # mpirun's remote shell: "agent HOST CMD..." runs CMD inside that host's namespace (instead of ssh HOST CMD).
   AGENT=$(mktemp /tmp/topk-testbed-agent.XXXXXX)
+  # The namespaces share one file system and one hostname, so every host's orted would build the same OpenMPI
+  # session directory (<tmpdir>/ompi.<hostname>.<uid>/pid.<mpirun pid>/...) and the ones that lose the race
+  # abort with "ORTE_ERROR_LOG ... session_dir.c ... File exists". Each host's orted (and the ranks it
+  # starts) gets a tmpdir of its own, as real hosts have; mpirun keeps the default one. (Set through the
+  # environment, not mpirun's --mca, which mpirun would forward to every orted alike.)
+  SESSIONS=$(mktemp -d /tmp/topk-testbed-sessions.XXXXXX)
   cat >"$AGENT" <<AGENT
 #!/usr/bin/env bash
 while [[ "\$1" == -* ]]; do shift; done   # ssh-style options mpirun may pass
 host=\${1##*.}; shift
-exec ip netns exec ${PREFIX}-h\$host env PATH="\$PATH" sh -c "\$*"
+mkdir -p "$SESSIONS/h\$host"
+exec ip netns exec ${PREFIX}-h\$host env PATH="\$PATH" OMPI_MCA_orte_tmpdir_base="$SESSIONS/h\$host" \\
+  TMPDIR="$SESSIONS/h\$host" sh -c "\$*"
 AGENT
   chmod +x "$AGENT"
-  trap 'rm -f "$AGENT"; down' EXIT
+  trap 'rm -f "$AGENT"; rm -rf "$SESSIONS"; down' EXIT
   # A caller that is itself an MPI process (e.g. after a single-rank hvd.init()) leaks PMIx/OpenMPI variables
   # that would make this mpirun think it is nested in that job.
   local var

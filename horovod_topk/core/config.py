@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
+from .exchange import EXCHANGES
+
 __all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS"]
 
 #: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
@@ -46,9 +48,14 @@ class TopKConfig:
         index_bits (int): 32 (default) sends int32 indices; 16 sends each index as a 16-bit offset within its
             segment of 65536 entries, plus one int32 count per segment (4 bytes per 65536 entries): 2 bytes per
             entry instead of 4. With value_dtype="float8" an entry costs 3 bytes instead of 8, so the same bytes
-            carry 2.7x the entries -- what Adam-trained language models need (README, "Convergence").
-        dense_fallback (bool): send a tensor dense when the allgather would hand over more bytes than a ring
-            allreduce: P * k * (4 + value bytes) > 2 * (P - 1) / P * N * (gradient bytes). Default True.
+            carry 2.7x the entries -- what Adam-trained language models need (README, "Convergence"). The compact
+            encoding (index_bits=16 or value_dtype="float8") travels by allgather only.
+        dense_fallback (bool): send a tensor dense when a ring allreduce (2 (P - 1) / P * N * gradient bytes per
+            rank) moves fewer bytes than the chosen sparse exchange (core.exchange's cost model). Default True.
+        exchange (str): how the selected entries travel (core.exchange): "allgather" (every rank receives every
+            rank's k entries: (P - 1) k per rank), "sparse_allreduce" (an alltoall to region owners who sum and
+            keep ceil(k/P) each, then an allgather: ~2.1 k per rank whatever P; PyTorch only for now), or "auto"
+            (default): per tensor, whichever moves fewer bytes at this world size.
         warmup_steps (int): sparsity warm-up (DGC): over the first W steps of each tensor the ratio decays
             exponentially from 1 to ``ratio`` (ratio_t = ratio ** (t / W)); with dense_fallback the first steps
             are therefore dense. 0 (default) disables it.
@@ -76,6 +83,7 @@ class TopKConfig:
     warmup_steps: int = 0
     momentum: float = 0.0
     spike_guard: Optional[float] = None
+    exchange: str = "auto"
     log_every: int = 0
 
     def __post_init__(self) -> None:
@@ -110,6 +118,18 @@ class TopKConfig:
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"log_every must be a non-negative integer (0: no telemetry), got {self.log_every!r}")
 
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        if self.compact and self.exchange == "sparse_allreduce":
+            raise ValueError("exchange='sparse_allreduce' sends plain (int32, value) entries; the compact encoding "
+                             "(index_bits=16, value_dtype='float8') travels by allgather: use exchange='allgather' "
+                             "or 'auto' with it")
+
+    @property
+    def compact(self) -> bool:
+        """Whether the compact wire encoding (core.payload) is on: it travels by allgather only."""
+        return self.index_bits != 32 or self.value_dtype == "float8"
+
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
@@ -127,7 +147,7 @@ class TopKConfig:
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
             for name in ("selector", "value_dtype", "index_bits", "dense_fallback", "warmup_steps", "momentum",
-                         "spike_guard")
+                         "spike_guard", "exchange")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

@@ -16,6 +16,7 @@ import struct
 from typing import List, Optional, Sequence, Tuple
 
 from .config import VALUE_DTYPES, TopKConfig
+from .exchange import DENSE, EXCHANGES
 
 __all__ = ["FINGERPRINT_LENGTH", "RankMismatch", "fingerprint", "mismatch_message", "check_name"]
 
@@ -25,7 +26,9 @@ _MAX_DIMS = 8
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 #: The fields of a fingerprint, in order; the shape takes the last _MAX_DIMS + 1 slots (ndim, then the dims).
 _FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "index_bits", "dense_fallback", "warmup_steps",
-           "momentum", "dtype", "numel", "step", "decision")
+           "momentum", "dtype", "numel", "step", "decision", "exchange", "route")
+#: What a "route" field encodes: the exchange a tensor actually takes this step (core.exchange).
+_ROUTES = (DENSE,) + EXCHANGES
 FINGERPRINT_LENGTH = len(_FIELDS) + 1 + _MAX_DIMS
 
 
@@ -55,10 +58,13 @@ def _dtype_name(dtype: object) -> str:
 
 
 def fingerprint(
-    config: TopKConfig, shape: Sequence[int], dtype: object, step: int, k: Optional[int]
+    config: TopKConfig, shape: Sequence[int], dtype: object, step: int, k: Optional[int],
+    route: Optional[str] = None,
 ) -> List[int]:
     """The integers every rank must agree on for one tensor: its configuration, shape, dtype, step, and the
-    decision taken (k, or -1 for dense). ``dtype`` is a torch or TensorFlow dtype, or its name."""
+    decision taken (k, or -1 for dense, and ``route``, the exchange taken: "dense", "allgather",
+    "sparse_allreduce"; None when the caller does not say). ``dtype`` is a torch or TensorFlow dtype, or its
+    name."""
     dims = [int(d) for d in shape]
     numel = 1
     for d in dims:
@@ -78,6 +84,8 @@ def fingerprint(
         numel,
         int(step),
         -1 if k is None else int(k),
+        EXCHANGES.index(config.exchange),
+        _ROUTES.index(route) if route is not None else -1,
         len(dims),
     ]
     values += (dims + [-1] * _MAX_DIMS)[:_MAX_DIMS]
@@ -92,6 +100,10 @@ def _readable(rows: Sequence[Sequence[int]]) -> List[Tuple[str, List[str]]]:
         column = [int(r[i]) for r in rows]
         if field in ("ratio", "momentum"):
             shown = [f"{_bits_float(v):g}" for v in column]
+        elif field == "exchange":
+            shown = [repr(EXCHANGES[v]) if 0 <= v < len(EXCHANGES) else "?" for v in column]
+        elif field == "route":
+            shown = [_ROUTES[v] if 0 <= v < len(_ROUTES) else "unknown" for v in column]
         elif field == "value_dtype":
             shown = [repr(VALUE_DTYPES[v]) if 0 <= v < len(VALUE_DTYPES) else "?" for v in column]
         elif field == "dtype":

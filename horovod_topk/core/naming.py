@@ -6,13 +6,25 @@ with a prefix of its own so it never collides with Horovod's dense allreduce of 
 """
 from __future__ import annotations
 
-__all__ = ["ALLGATHER_PREFIX", "allgather_name", "group_member_name"]
+__all__ = ["ALLGATHER_PREFIX", "allgather_name", "alltoall_name", "owners_allgather_name", "group_member_name"]
 
 ALLGATHER_PREFIX = "topk."
 
 
 def allgather_name(tensor_name: str) -> str:
     return ALLGATHER_PREFIX + tensor_name
+
+
+def alltoall_name(tensor_name: str) -> str:
+    """Phase 1 of the sparse allreduce of ``tensor_name`` (core.exchange): the alltoall to the region owners.
+
+    A prefix of its own ("topk-", not "topk."), so no tensor name can make it equal another tensor's allgather."""
+    return "topk-sar1." + tensor_name
+
+
+def owners_allgather_name(tensor_name: str) -> str:
+    """Phase 2 of the sparse allreduce of ``tensor_name``: the allgather of the owners' kept sums."""
+    return "topk-sar2." + tensor_name
 
 
 def group_member_name(group_name: str, position: int) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
+from .exchange import ALLGATHER, DENSE, choose_exchange
 from .payload import payload_layout
 
 __all__ = [
@@ -37,12 +38,14 @@ CANDIDATE_MARGIN = 1.3
 class TensorPlan:
     """What happens to one tensor on one step.
 
-    ``k`` is None when the tensor goes dense; ``reason`` says why, for logs and ``stats()``.
+    ``k`` is None when the tensor goes dense; ``reason`` says why, for logs and ``stats()``. ``exchange`` is how
+    a compressed tensor's entries travel (core.exchange: "allgather" or "sparse_allreduce"; "dense" when k is None).
     """
 
     numel: int
     k: Optional[int]
     reason: str
+    exchange: str = ALLGATHER
 
     @property
     def compressed(self) -> bool:
@@ -95,20 +98,23 @@ def plan_tensor(
     step: int = 0,
     value_itemsize: int = 4,
     grad_itemsize: int = 4,
+    sparse_available: bool = False,
 ) -> TensorPlan:
     """Decide how the tensor called ``name`` travels at its ``step``.
 
     Non-floating tensors (integer counters, masks), tensors under ``config.min_numel``, and — with
-    ``config.dense_fallback`` — tensors whose allgather would move more bytes than a ring allreduce go dense.
-    Every input is the same on every rank, so every rank decides alike. A tensor too large for int32 indices is
+    ``config.dense_fallback`` — tensors whose exchange would move more bytes than a ring allreduce go dense.
+    Otherwise the exchange is core.exchange.choose_exchange's three-way choice (dense, allgather, sparse
+    allreduce: fewest bytes per rank); ``sparse_available`` says whether the calling framework has the sparse
+    allreduce. Every input is the same on every rank, so every rank decides alike. A tensor too large for int32 indices is
     refused with an error that names it.
     """
     if not is_floating:
-        return TensorPlan(numel, None, "not floating point")
+        return TensorPlan(numel, None, "not floating point", DENSE)
     if numel == 0:
-        return TensorPlan(numel, None, "empty")
+        return TensorPlan(numel, None, "empty", DENSE)
     if numel < config.min_numel:
-        return TensorPlan(numel, None, f"smaller than min_numel={config.min_numel}")
+        return TensorPlan(numel, None, f"smaller than min_numel={config.min_numel}", DENSE)
     if numel > MAX_COMPRESSED_NUMEL:
         raise ValueError(
             f"tensor {name!r} has {numel} elements; Top-K payloads index with int32, so a compressed tensor must "
@@ -116,11 +122,14 @@ def plan_tensor(
         )
     ratio = warmup_ratio(config, numel, step)
     k = max(1, min(numel, math.ceil(ratio * numel - 1e-9))) if config.warmup_steps else selected_count(numel, config)
-    if config.dense_fallback and world_size > 1:
-        sparse = world_size * tensor_payload_layout(config, k, numel, value_itemsize).nbytes
-        if sparse > ring_allreduce_nbytes(world_size, numel, grad_itemsize):
-            return TensorPlan(numel, None, f"dense is cheaper at k={k} ({sparse} allgather bytes)")
-    return TensorPlan(numel, k, "top-k")
+    exchange, nbytes = choose_exchange(
+        config.exchange, world_size, numel, k, value_itemsize, grad_itemsize,
+        dense_fallback=config.dense_fallback, sparse_available=sparse_available and not config.compact,
+        payload_nbytes=tensor_payload_layout(config, k, numel, value_itemsize).nbytes if config.compact else None,
+    )
+    if exchange == DENSE:
+        return TensorPlan(numel, None, f"dense is cheaper at k={k} ({nbytes:.0f} bytes per rank)", DENSE)
+    return TensorPlan(numel, k, "top-k", exchange)
 
 
 def sample_size(k: int, numel: int) -> int:

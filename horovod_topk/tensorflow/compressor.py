@@ -55,6 +55,9 @@ class TopKEF(TopKEFBase[Any]):
                              "(PyTorch only)")
         if self.config.spike_guard is not None:
             raise ValueError("horovod-topk: spike_guard is not supported by the TensorFlow TopKEF yet (PyTorch only)")
+        if self.config.exchange == "sparse_allreduce":
+            raise ValueError("horovod-topk: exchange='sparse_allreduce' is PyTorch-only for now; the TensorFlow "
+                             "TopKEF uses the allgather (exchange='auto' or 'allgather')")
         #: Per tensor name: the residual variable and the counter variable (see _counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.

@@ -30,9 +30,11 @@ from ..core import (
 )
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
 from . import encoding, ops
+from .exchange import ExchangeRequest
 from .selection import Backend, backend_for, dtype_token as _dtype_token
+from .sparse_allreduce import SparseAllreduce
 
-__all__ = ["TopKEF", "TopKHandle", "AgreementCheck"]
+__all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather"]
 
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float8": encoding.FLOAT8}
@@ -104,6 +106,18 @@ class TopKHandle:
         return self._result
 
 
+def start_allgather(request: ExchangeRequest) -> TopKHandle:
+    """The allgather exchange (core.exchange): every rank receives every rank's payload, one collective."""
+    from horovod.torch.mpi_ops import allgather_async, synchronize
+
+    request.record.bytes_sent += request.layout.nbytes
+    handle = allgather_async(request.payload, name=allgather_name(request.name), process_set=request.process_set)
+    return TopKHandle(
+        request.name, handle, synchronize, request.layout, request.world_size, request.wire_dtype, request.out,
+        request.shape, request.scale, request.backend,
+    )
+
+
 class TopKEF(TopKEFBase[torch.Tensor]):
     """Top-K with error feedback for ``hvd.DistributedOptimizer(..., compression=TopKEF)``.
 
@@ -137,7 +151,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         The caller issues the dense allreduce itself for a None, so that dense tensors of a group stay one
         grouped collective.
         """
-        from horovod.torch.mpi_ops import Average, Sum, allgather_async, synchronize
+        from horovod.torch.mpi_ops import Average, Sum
 
         op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         world_size = process_set.size()
@@ -147,14 +161,14 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         plan = plan_tensor(
             name, tensor.numel(), tensor.is_floating_point(), self.config, world_size=world_size,
             step=record.steps, value_itemsize=_dtype_token(wire_dtype).element_size(),
-            grad_itemsize=tensor.element_size(),
+            grad_itemsize=tensor.element_size(), sparse_available=True,
         )
         dense_nbytes = tensor.numel() * tensor.element_size()
         if self.config.spike_guard is not None and tensor.is_floating_point():
             self._guard_spike(record, tensor)
         if not record.verified:
             record.verified = True
-            pending.check = self._agreement_check(name, record, tensor, plan.k, process_set)
+            pending.check = self._agreement_check(name, record, tensor, plan.k, process_set, plan.exchange)
         self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
@@ -195,11 +209,17 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             indices, values = ops.unpack(payload, 1, plain, select_dtype)
             payload = encoding.encode(indices[0], values[0], residual, layout)
         record.compress_seconds += time.perf_counter() - started
-        record.bytes_sent += layout.nbytes
-        handle = allgather_async(payload, name=allgather_name(name), process_set=process_set)
-        return TopKHandle(
-            name, handle, synchronize, layout, world_size, wire_dtype, flat, tuple(tensor.shape), scale, backend
-        )
+        request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
+                                  process_set, backend, residual, record)
+        return self._exchange(plan.exchange)(request)
+
+    def _exchange(self, exchange: str) -> Callable[[ExchangeRequest], Any]:
+        """The function that carries a selected payload under ``exchange`` (core.exchange) and returns its handle."""
+        if exchange == "sparse_allreduce":
+            if getattr(self, "_sparse_allreduce", None) is None:
+                self._sparse_allreduce = SparseAllreduce()
+            return self._sparse_allreduce.start
+        return start_allgather
 
     def _guard_spike(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
         """TopKConfig.spike_guard: scale the gradient in place (like clip_grad_norm_; the alias shares its storage)
@@ -213,12 +233,13 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             record.guarded_steps += 1
 
     def _agreement_check(
-        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, k: Optional[int], process_set: Any
+        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, k: Optional[int], process_set: Any,
+        route: Optional[str] = None,
     ) -> "AgreementCheck":
         """Start the fingerprint allgather of this tensor's first step (core.consistency)."""
         from horovod.torch.mpi_ops import allgather_async, synchronize
 
-        rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, k)],
+        rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, k, route)],
                             dtype=torch.int64)
         return AgreementCheck(name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize)
 

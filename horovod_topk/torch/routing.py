@@ -21,6 +21,7 @@ import torch
 
 from ..core import group_member_name, pending_of, refuse_unsupported_op
 from .compressor import TopKEF, TopKHandle
+from .sparse_allreduce import SparseAllreduceHandle
 
 __all__ = ["install", "GroupHandle", "CheckedHandle", "ScopedCompression"]
 
@@ -193,7 +194,7 @@ def install() -> None:
         return GroupHandle(len(tensors), topk, dense_positions, dense_handle, horovod_synchronize, checks)
 
     def synchronize(handle: Any) -> Any:
-        if isinstance(handle, (TopKHandle, GroupHandle, CheckedHandle)):
+        if isinstance(handle, (TopKHandle, SparseAllreduceHandle, GroupHandle, CheckedHandle)):
             return handle()
         return horovod_synchronize(handle)
 

@@ -75,11 +75,14 @@ def test_new_options_are_validated_by_name():
         with pytest.raises(ValueError, match="index_bits"):
             TopKConfig(index_bits=bad)
     assert "index_bits=16" in TopKConfig(index_bits=16, value_dtype="float8").describe()
+    with pytest.raises(ValueError, match="compact encoding .* travels by allgather"):
+        TopKConfig(index_bits=16, exchange="sparse_allreduce")
 
 
 def test_compact_encoding_moves_the_crossover():
-    """3 bytes per entry (16-bit indices, float8 values): on 2 workers dense is cheaper only from k > 2N/3."""
-    n, world = 200_000, 2
+    """3 bytes per entry (16-bit indices, float8 values): a rank receives (P - 1) payloads of 3k bytes against a
+    ring allreduce's 2 (P - 1) / P * 4N: on 4 workers dense is cheaper from k > 2N/3."""
+    n, world = 200_000, 4
     compact = dict(index_bits=16, value_dtype="float8")
     assert plan_tensor("w", n, True, TopKConfig(ratio=0.66, **compact), world_size=world, value_itemsize=1).compressed
     assert not plan_tensor("w", n, True, TopKConfig(ratio=0.67, **compact), world_size=world,
@@ -88,24 +91,25 @@ def test_compact_encoding_moves_the_crossover():
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_dense_fallback_switches_exactly_at_the_crossover(world):
-    """P * k * 8 > 2 (P - 1) / P * N * 4  <=>  k > (P - 1) N / P**2 (float32 values and gradients)."""
-    from horovod_topk.core.policy import allgather_nbytes, ring_allreduce_nbytes
+    """Allgather: (P - 1) * k * 8 > 2 (P - 1) / P * N * 4  <=>  k > N / P (float32 values and gradients)."""
+    from horovod_topk.core.exchange import allgather_exchange_nbytes, dense_nbytes
 
     n = 100_000
-    crossover = (world - 1) * n / world**2
-    below = math.floor(crossover) / n
-    above = (math.floor(crossover) + 1) / n
-    assert allgather_nbytes(world, math.floor(crossover), 8) <= ring_allreduce_nbytes(world, n, 4)
-    assert plan_tensor("w", n, True, TopKConfig(ratio=below), world_size=world).compressed
-    assert not plan_tensor("w", n, True, TopKConfig(ratio=above), world_size=world).compressed
-    assert plan_tensor("w", n, True, TopKConfig(ratio=above, dense_fallback=False), world_size=world).compressed
+    crossover = n // world
+    assert allgather_exchange_nbytes(world, crossover, 4) <= dense_nbytes(world, n, 4)
+    assert allgather_exchange_nbytes(world, crossover + 1, 4) > dense_nbytes(world, n, 4)
+    cfg = dict(exchange="allgather")
+    assert plan_tensor("w", n, True, TopKConfig(ratio=(crossover - 1) / n, **cfg), world_size=world).compressed
+    assert not plan_tensor("w", n, True, TopKConfig(ratio=(crossover + 1) / n, **cfg), world_size=world).compressed
+    assert plan_tensor("w", n, True, TopKConfig(ratio=(crossover + 1) / n, dense_fallback=False, **cfg),
+                       world_size=world).compressed
 
 
 def test_float16_values_move_the_crossover():
-    n, world = 100_000, 2  # 6 bytes per entry: dense is cheaper from k > N/3
-    assert plan_tensor("w", n, True, TopKConfig(ratio=0.33, value_dtype="float16"), world_size=world,
+    n, world = 120_000, 2  # 6 bytes per entry against 4 per dense entry: dense is cheaper from k > 2N/3
+    assert plan_tensor("w", n, True, TopKConfig(ratio=0.66, value_dtype="float16"), world_size=world,
                        value_itemsize=2).compressed
-    assert not plan_tensor("w", n, True, TopKConfig(ratio=0.34, value_dtype="float16"), world_size=world,
+    assert not plan_tensor("w", n, True, TopKConfig(ratio=0.67, value_dtype="float16"), world_size=world,
                            value_itemsize=2).compressed
 
 
@@ -118,7 +122,7 @@ def test_warmup_is_monotone_and_ends_at_the_target():
     assert all(a >= b for a, b in zip(ratios, ratios[1:]))
     assert ratios[10:] == [0.001] * 5
     ks = [plan_tensor("w", 10_000, True, cfg, step=t, world_size=2).k for t in range(15)]
-    assert ks[:3] == [None, None, None]  # ratio > 1/4: dense is cheaper on 2 workers
+    assert ks[:2] == [None, None] and ks[2] is not None  # ratio > 1/2: dense is cheaper on 2 workers
     assert ks[-1] == 10
 
 

@@ -58,3 +58,9 @@ def test_pytorch_only_options_are_refused_clearly():
 
     with pytest.raises(ValueError, match="momentum correction"):
         TopKEF(momentum=0.9)
+
+
+def test_sparse_allreduce_is_refused_as_pytorch_only():
+    with pytest.raises(ValueError, match="sparse_allreduce' is PyTorch-only"):
+        TopKEF(exchange="sparse_allreduce")
+    assert TopKEF(exchange="allgather").config.exchange == "allgather"

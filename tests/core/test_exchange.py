@@ -1,0 +1,113 @@
+import math
+
+import pytest
+
+from horovod_topk.core import TopKConfig, fingerprint, mismatch_message, plan_tensor
+from horovod_topk.core.exchange import (
+    SparseAllreduceLayouts,
+    allgather_exchange_nbytes,
+    capacity,
+    choose_exchange,
+    dense_nbytes,
+    kept_per_owner,
+    region_of,
+    sparse_allreduce_nbytes,
+)
+from horovod_topk.core.naming import allgather_name, alltoall_name, owners_allgather_name
+
+
+def test_exchange_option_is_validated_and_described():
+    with pytest.raises(ValueError, match="exchange must be one of auto, allgather, sparse_allreduce"):
+        TopKConfig(exchange="ring")
+    assert TopKConfig().exchange == "auto"
+    assert "exchange='sparse_allreduce'" in TopKConfig(exchange="sparse_allreduce").describe()
+    assert "exchange" not in TopKConfig().describe()
+
+
+def test_region_of_covers_every_rank_and_spreads_consecutive_indices():
+    for world in (1, 2, 3, 4, 8, 1024):
+        regions = [region_of(i, world) for i in range(20_000)]
+        assert min(regions) == 0 and max(regions) == world - 1 or world > 20_000
+        counts = [regions.count(r) for r in range(world)]
+        mean = 20_000 / world
+        # a contiguous run of indices (one conv filter, one embedding row) is spread nearly evenly
+        assert max(counts) <= mean + 5 * math.sqrt(mean) + 2
+    assert region_of(2**31 - 1, 1024) < 1024
+
+
+def test_capacity_and_kept_count():
+    assert capacity(1000, 8) == 138  # ceil(1.1 * 125)
+    assert kept_per_owner(1000, 8) == 125
+    assert capacity(1, 8) == 1 and kept_per_owner(1, 8) == 1
+    assert capacity(5, 1) == 5  # never more than k
+    with pytest.raises(ValueError, match="k >= 1"):
+        capacity(0, 4)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 1024])
+@pytest.mark.parametrize("k", [10_486, 21_000, 100_000, 1_000_000, "P", "1.5P", "2P+1"])
+def test_sparse_allreduce_meets_the_bar_at_every_world_size(world, k):
+    """<= 2.2 * k * 8 bytes per rank per tensor and step, whatever P >= 2 (float32 values), for k >= P."""
+    k = {"P": world, "1.5P": world * 3 // 2, "2P+1": 2 * world + 1}.get(k, k)
+    assert sparse_allreduce_nbytes(world, k, 4) <= 2.2 * k * 8
+    layouts = SparseAllreduceLayouts(k, world, 4)
+    assert layouts.alltoall_nbytes == world * layouts.send.nbytes
+
+
+def test_cost_model_formulas():
+    assert dense_nbytes(4, 1000, 4) == 2 * 3 / 4 * 1000 * 4
+    assert allgather_exchange_nbytes(8, 100, 4) == 7 * 800
+    assert sparse_allreduce_nbytes(8, 1000, 4) == 7 * (138 * 8 + 125 * 8)
+    assert allgather_exchange_nbytes(4, 3, 2) == 3 * 24  # 12 index bytes + 6 value bytes, padded to 24
+
+
+def test_three_way_choice():
+    n = 1_000_000
+    assert choose_exchange("auto", 2, n, 10_000, 4, 4)[0] == "allgather"   # k vs 1.05 k
+    assert choose_exchange("auto", 4, n, 10_000, 4, 4)[0] == "sparse_allreduce"
+    assert choose_exchange("auto", 4, n, 10_000, 4, 4, sparse_available=False)[0] == "allgather"
+    assert choose_exchange("auto", 128, n, 10_000, 4, 4, sparse_available=False)[0] == "dense"
+    assert choose_exchange("auto", 128, n, 10_000, 4, 4)[0] == "sparse_allreduce"
+    assert choose_exchange("auto", 8, n, 600_000, 4, 4)[0] == "dense"  # 2.1 k * 8 > 1.75 N * 4
+    assert choose_exchange("auto", 8, n, 600_000, 4, 4, dense_fallback=False)[0] == "sparse_allreduce"
+    assert choose_exchange("allgather", 64, n, 10_000, 4, 4, dense_fallback=False)[0] == "allgather"
+    assert choose_exchange("sparse_allreduce", 2, n, 10_000, 4, 4)[0] == "sparse_allreduce"
+    assert choose_exchange("auto", 1, n, 10_000, 4, 4)[0] == "allgather"
+    with pytest.raises(ValueError, match="not available"):
+        choose_exchange("sparse_allreduce", 4, n, 10, 4, 4, sparse_available=False)
+
+
+def test_plan_carries_the_exchange():
+    cfg = TopKConfig(ratio=0.01)
+    assert plan_tensor("w", 10**6, True, cfg, world_size=8, sparse_available=True).exchange == "sparse_allreduce"
+    assert plan_tensor("w", 10**6, True, cfg, world_size=8).exchange == "allgather"
+    plan = plan_tensor("w", 10**6, True, TopKConfig(ratio=0.5), world_size=8, sparse_available=True)
+    assert plan.exchange == "dense" and not plan.compressed
+    assert plan_tensor("b", 10, True, cfg, world_size=8).exchange == "dense"
+
+
+def test_collective_names_are_distinct_per_phase_and_tensor():
+    names = {allgather_name("w"), alltoall_name("w"), owners_allgather_name("w"), allgather_name("sar1.w")}
+    assert len(names) == 4
+    assert alltoall_name("w") != allgather_name("sar1.w")
+
+
+def test_fingerprint_covers_the_exchange_and_the_route():
+    a = fingerprint(TopKConfig(), (10, 10), "float32", 0, 1, route="allgather")
+    b = fingerprint(TopKConfig(exchange="sparse_allreduce"), (10, 10), "float32", 0, 1, route="sparse_allreduce")
+    message = mismatch_message("w", [a, b])
+    assert "exchange ('auto'" in message.replace("rank 0: ", "") or "exchange (rank 0: 'auto'" in message
+    assert "route (rank 0: allgather, rank 1: sparse_allreduce)" in message
+    assert mismatch_message("w", [a, list(a)]) is None
+
+
+def test_every_entry_selected_fits_without_overflow():
+    from horovod_topk.core.exchange import largest_region
+
+    for numel, world in ((4, 2), (100, 3), (2048, 2), (2048, 4)):
+        counts = [0] * world
+        for i in range(numel):
+            counts[region_of(i, world)] += 1
+        assert largest_region(numel, world) == max(counts)
+        assert capacity(numel, world, numel) == max(counts) == kept_per_owner(numel, world, numel)
+    assert capacity(10, 2, 1000) == 6  # k < N: the slack formula
