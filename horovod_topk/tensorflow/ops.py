@@ -6,7 +6,7 @@ both frameworks.
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import tensorflow as tf
 
@@ -92,17 +92,37 @@ def compensate_nonfinite(
 
 
 def error_feedback_step(
-    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType, sample_size: int = 0
-) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-    """compensate_and_select, or compensate_nonfinite when the gradient has a NaN/Inf; the 4th output says which
-    (True: the gradient was finite)."""
+    grad: tf.Tensor,
+    residual: tf.Tensor,
+    k: int,
+    wire_dtype: tf.DType,
+    sample_size: int = 0,
+    momentum_buffer: Optional[tf.Tensor] = None,
+    momentum: float = 0.0,
+) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, Optional[tf.Tensor], tf.Tensor]:
+    """compensate_and_select, or compensate_nonfinite when the gradient has a NaN/Inf.
+
+    With a ``momentum_buffer`` u (DGC momentum correction, same rule as horovod_topk.torch.ops): u = m u + g,
+    the residual takes u instead of g, and u is zeroed where entries are sent (momentum-factor masking); the
+    NaN/Inf entries of a non-finite gradient enter neither.
+
+    Returns (indices, values, new residual, new momentum buffer or None, True if the gradient was finite)."""
     finite = tf.reduce_all(tf.math.is_finite(grad))
+    new_momentum = None
+    if momentum_buffer is not None:
+        flat = tf.cast(tf.reshape(grad, [-1]), momentum_buffer.dtype)
+        entry_finite = tf.math.is_finite(flat)
+        new_momentum = tf.where(entry_finite, momentum * momentum_buffer + flat, momentum_buffer)
+        grad = tf.where(entry_finite, new_momentum, flat)  # what enters the residual; the NaN/Inf stay as they are
     indices, values, new_residual = tf.cond(
         finite,
         lambda: compensate_and_select(grad, residual, k, wire_dtype, sample_size),
         lambda: compensate_nonfinite(grad, residual, k, wire_dtype),
     )
-    return indices, values, new_residual, finite
+    if new_momentum is not None:
+        masked = tf.tensor_scatter_nd_update(new_momentum, indices[:, None], tf.zeros([k], new_momentum.dtype))
+        new_momentum = tf.where(finite, masked, new_momentum)
+    return indices, values, new_residual, new_momentum, finite
 
 
 def _bytes_of(x: tf.Tensor) -> tf.Tensor:
