@@ -9,12 +9,14 @@ bytes sent, bytes dense, non-finite steps, guarded steps) that ``stats()`` reads
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from ..core.policy import spike_guard_scale
+from ..core.policy import spike_guard_scale, warmup_schedule
 
 from ..core import (
     PayloadLayout,
@@ -34,6 +36,23 @@ from . import ops
 
 __all__ = ["TopKEF"]
 
+
+@dataclass(frozen=True)
+class _Step:
+    """What one compressed reduction of one tensor works on (built while tracing)."""
+
+    tensor: tf.Tensor
+    name: str
+    numel: int
+    wire_dtype: tf.DType
+    residual: tf.Variable
+    momentum: Optional[tf.Variable]
+    counters: tf.Variable
+    guarded: tf.Tensor
+    dense_nbytes: int
+    scale: float
+    process_set: Any
+
 _WIRE_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
 
 
@@ -47,10 +66,6 @@ class TopKEF(TopKEFBase[Any]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # k is part of the traced graph here (static shapes): a k that changes with the step (warm-up) would need
-        # one graph per k. Refused rather than ignored.
-        if self.config.warmup_steps:
-            raise ValueError("horovod-topk: warmup_steps is not supported by the TensorFlow TopKEF yet (PyTorch only)")
         #: Per tensor name: the residual, momentum-buffer, gradient-level and counter variables (_counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.
@@ -105,8 +120,10 @@ class TopKEF(TopKEFBase[Any]):
             return None
         numel = int(np.prod(pending.shape, dtype=np.int64))
         wire_dtype = _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype) if tensor.dtype.is_floating else tensor.dtype
+        # the route is traced once: with a warm-up, the plan after it (its steps are branches, see warmup_schedule)
         plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
-                           value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size)
+                           step=self.config.warmup_steps, value_itemsize=wire_dtype.size,
+                           grad_itemsize=tensor.dtype.size)
         record = self.registry.record(name, pending.shape)
         counters = self._counters(name, record)
         if not record.verified:
@@ -126,31 +143,75 @@ class TopKEF(TopKEFBase[Any]):
         guarded = tf.constant(0, tf.int64)
         if self.config.spike_guard is not None:
             tensor, guarded = self._guard_spike(name, record, tensor, counters[0])
-        samples = sample_size(plan.k, numel) if self.config.selector == "sampled" else 0
+        step = _Step(tensor, name, numel, wire_dtype, residual, momentum, counters, guarded, dense_nbytes, scale,
+                     process_set)
+        if not self.config.warmup_steps:
+            return tf.reshape(self._topk_reduce(step, plan.k), pending.shape)
+        schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
+                                   value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size)
+        assert schedule is not None  # this step is compressed, hence the last one is
+        t = tf.minimum(counters[0], len(schedule.phase) - 1)
+        count = tf.gather(tf.constant(schedule.count, tf.int32), t)
+        branches = [
+            functools.partial(self._dense_reduce, step, op_name, prescale_factor, postscale_factor) if capacity is None
+            else functools.partial(self._topk_reduce, step, capacity, count, f".c{capacity}")
+            for capacity in schedule.capacities
+        ]
+        reduced = tf.switch_case(tf.gather(tf.constant(schedule.phase, tf.int32), t), branches)
+        return tf.reshape(reduced, pending.shape)
+
+    def _topk_reduce(self, step: "_Step", k: int, count: Optional[tf.Tensor] = None, suffix: str = "") -> tf.Tensor:
+        """One allgather of k-entry payloads (of which only the ``count`` largest are non-zero, when given) and
+        their sum as a flat dense tensor; updates residual, momentum buffer and counters."""
+        from horovod.tensorflow.mpi_ops import allgather
+
+        world_size = step.process_set.size()
+        samples = sample_size(k, step.numel) if self.config.selector == "sampled" else 0
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
         indices, values, new_residual, new_momentum, finite = ops.error_feedback_step(
-            tensor, residual, plan.k, wire_dtype, samples, momentum, self.config.momentum)
-        layout = PayloadLayout(plan.k, wire_dtype.size)
-        updates = [residual.assign(new_residual)]
-        if momentum is not None:
-            updates.append(momentum.assign(new_momentum))
+            step.tensor, step.residual, k, step.wire_dtype, samples, step.momentum, self.config.momentum)
+        if count is not None:
+            indices, values, new_residual = ops.keep_largest(indices, values, new_residual, count, finite)
+        layout = PayloadLayout(k, step.wire_dtype.size)
+        updates = [step.residual.assign(new_residual)]
+        if step.momentum is not None:
+            updates.append(step.momentum.assign(new_momentum))
         with tf.control_dependencies(updates):
             payload = ops.pack(indices, values, layout)
-        gathered = allgather(payload, name=allgather_name(name), ignore_name_scope=True, process_set=process_set)
+        gathered = allgather(payload, name=allgather_name(step.name) + suffix, ignore_name_scope=True,
+                             process_set=step.process_set)
         checks = [
             tf.debugging.assert_equal(
-                tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(name, world_size)
+                tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(step.name, world_size)
             ),
-            counters.assign_add(tf.stack([tf.constant(1, tf.int64), tf.constant(layout.nbytes, tf.int64),
-                                          tf.constant(dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64),
-                                          guarded])),
+            step.counters.assign_add(tf.stack([
+                tf.constant(1, tf.int64), tf.constant(layout.nbytes, tf.int64),
+                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded])),
         ]
         with tf.control_dependencies(checks):
-            all_indices, all_values = ops.unpack(gathered, world_size, layout, wire_dtype)
-        dense = ops.scatter_sum(all_indices, all_values, numel, ops.residual_dtype(tensor.dtype))
-        if scale != 1.0:
-            dense = dense * tf.cast(scale, dense.dtype)
-        return tf.reshape(tf.cast(dense, tensor.dtype), pending.shape)
+            all_indices, all_values = ops.unpack(gathered, world_size, layout, step.wire_dtype)
+        dense = ops.scatter_sum(all_indices, all_values, step.numel, step.residual.dtype)
+        if step.scale != 1.0:
+            dense = dense * tf.cast(step.scale, dense.dtype)
+        return tf.cast(dense, step.tensor.dtype)
+
+    def _dense_reduce(self, step: "_Step", op_name: str, prescale_factor: float, postscale_factor: float) -> tf.Tensor:
+        """A warm-up step that goes dense: Horovod's own allreduce of the gradient plus what the residual still
+        holds (nothing is lost when a tensor changes route), as a flat tensor."""
+        from horovod.tensorflow.mpi_ops import Average, Sum, _allreduce
+
+        flat = tf.reshape(step.tensor, [-1])
+        finite = tf.reduce_all(tf.math.is_finite(flat))
+        leftover = tf.where(finite, step.residual, tf.zeros_like(step.residual))  # kept for a finite step
+        with tf.control_dependencies([step.residual.assign_sub(leftover)]):
+            flat = flat + tf.cast(leftover, flat.dtype)
+        reduced = _allreduce(flat, name=f"{step.name}.dense", op=Average if op_name == "average" else Sum,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             ignore_name_scope=True, process_set=step.process_set)
+        with tf.control_dependencies([step.counters.assign_add(tf.stack([
+                tf.constant(1, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
+                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded]))]):
+            return tf.identity(reduced)
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
                 k: Optional[int], process_set: Any) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "compensate_and_select",
     "compensate_nonfinite",
     "error_feedback_step",
+    "keep_largest",
     "pack",
     "unpack",
     "scatter_sum",
@@ -123,6 +124,25 @@ def error_feedback_step(
         masked = tf.tensor_scatter_nd_update(new_momentum, indices[:, None], tf.zeros([k], new_momentum.dtype))
         new_momentum = tf.where(finite, masked, new_momentum)
     return indices, values, new_residual, new_momentum, finite
+
+
+def keep_largest(
+    indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor, count: tf.Tensor, finite: tf.Tensor
+) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """A selection of capacity c cut to its ``count`` largest-magnitude entries (count <= c, a tensor: it changes
+    with the step inside one graph): the others are sent as zeros and their values go back into the residual, so
+    ``new residual + sent == old residual + grad`` still holds. A non-finite step is left as it is (what it sends
+    is the NaN/Inf entries, none of which is in the residual)."""
+
+    def cut() -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        order = tf.argsort(tf.abs(tf.cast(values, new_residual.dtype)), direction="DESCENDING", stable=True)
+        ordered_indices, ordered_values = tf.gather(indices, order), tf.gather(values, order)
+        keep = tf.range(tf.size(order)) < count
+        unsent = tf.where(keep, tf.zeros_like(ordered_values), ordered_values)
+        residual = tf.tensor_scatter_nd_add(new_residual, ordered_indices[:, None], tf.cast(unsent, new_residual.dtype))
+        return ordered_indices, ordered_values - unsent, residual
+
+    return tf.cond(finite, cut, lambda: (indices, values, new_residual))
 
 
 def _bytes_of(x: tf.Tensor) -> tf.Tensor:

@@ -88,3 +88,38 @@ def test_spike_guard_caps_a_spike_after_its_warm_up_and_keeps_it_out_of_the_resi
     gathered = hvd.allgather_object(ours, name="spike_guard.params")
     for name in ours:
         np.testing.assert_array_equal(gathered[0][name], gathered[1][name])
+
+
+def test_warm_up_sends_each_steps_k_goes_dense_first_and_loses_nothing():
+    """Sparsity warm-up inside one traced graph: at each step at most that step's k (core plan_tensor) entries are
+    non-zero in what a rank sends, the early steps go dense, new residual + sent == old residual + gradient, and
+    the reduced gradient is the mean of what the ranks sent."""
+    from horovod_topk.core.policy import plan_tensor
+
+    config = dict(ratio=0.01, warmup_steps=6)
+    compressor = TopKEF(**config)
+    previous, routes = {}, []
+
+    def record(step, names, local, reduced):
+        records = _records_by_shape(compressor)
+        for name, g, out in zip(names, local, reduced):
+            shape = tuple(g.shape)
+            if shape not in COMPRESSED:
+                continue
+            numel = int(np.prod(shape))
+            plan = plan_tensor(name, numel, True, compressor.config, world_size=hvd.size(), step=step)
+            r0 = previous.get(shape, np.zeros(numel, np.float32))
+            r1 = records[shape].residual.numpy().copy()
+            sent = r0 + g.numpy().reshape(-1) - r1
+            if plan.k is None:
+                np.testing.assert_array_equal(r1, 0)
+            else:
+                assert np.count_nonzero(np.abs(sent) > 1e-6) <= plan.k, (name, step)
+            mean = hvd.allreduce(tf.constant(sent), op=hvd.Average, name=f"warmup.sent.{name}.{step}").numpy()
+            np.testing.assert_allclose(out.numpy().reshape(-1), mean, rtol=1e-5, atol=1e-6)
+            previous[shape] = r1
+            routes.append(plan.k)
+
+    train_tape(compressor, steps=8, on_grads=record)
+    assert routes[:4] == [None] * 4 and all(k is not None for k in routes[4:]) and routes[-1] == 21
+    assert compressor.stats()["steps"] == 8

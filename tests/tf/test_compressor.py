@@ -52,10 +52,5 @@ def test_invalid_options_are_refused():
         TopKEF(k=0)
 
 
-def test_warmup_is_refused_clearly():
-    with pytest.raises(ValueError, match="warmup_steps is not supported by the TensorFlow"):
-        TopKEF(warmup_steps=10)
-
-
-def test_momentum_and_spike_guard_are_accepted():
-    assert TopKEF(momentum=0.9, spike_guard=3.0).config.momentum == 0.9
+def test_warmup_momentum_and_spike_guard_are_accepted():
+    assert TopKEF(warmup_steps=10, momentum=0.9, spike_guard=3.0).config.momentum == 0.9

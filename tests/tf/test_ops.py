@@ -142,3 +142,17 @@ def test_momentum_correction_keeps_nonfinite_entries_out_of_both_buffers():
     assert not finite and set(indices.tolist()) == {7, 300} and np.isnan(values).all()
     np.testing.assert_allclose(new_momentum, velocity, rtol=1e-6)
     np.testing.assert_allclose(new_residual, residual + np.where(finite_entries, velocity, 0), rtol=1e-6)
+
+
+def test_a_payload_cut_to_count_sends_the_largest_and_keeps_the_rest_in_the_residual():
+    rng = np.random.RandomState(5)
+    grad, residual = rng.randn(400).astype(np.float32), (rng.randn(400) * 0.1).astype(np.float32)
+    indices, values, new_residual, _, finite = ops.error_feedback_step(tf.constant(grad), tf.constant(residual), 40,
+                                                                       tf.float32)
+    cut_indices, cut_values, cut_residual = (t.numpy() for t in ops.keep_largest(
+        indices, values, new_residual, tf.constant(25), finite))
+    sent = np.zeros(400, np.float32)
+    np.add.at(sent, cut_indices, cut_values)
+    assert np.count_nonzero(cut_values) == 25 and cut_indices.shape == (40,)
+    assert set(cut_indices[:25].tolist()) == set(np.argsort(-np.abs(residual + grad))[:25].tolist())
+    np.testing.assert_allclose(sent + cut_residual, residual + grad, rtol=1e-6, atol=1e-7)
