@@ -19,6 +19,8 @@ __all__ = [
     "plan_tensor",
     "warmup_ratio",
     "tensor_payload_layout",
+    "WarmupSchedule",
+    "warmup_schedule",
     "allgather_nbytes",
     "ring_allreduce_nbytes",
     "sample_size",
@@ -76,6 +78,44 @@ def tensor_payload_layout(config: TopKConfig, k: int, numel: int, value_itemsize
     """The payload layout (core.payload) of k entries of an N-element tensor under ``config``'s wire options;
     ``value_itemsize`` is the bytes of a value on the wire (1 for float8)."""
     return payload_layout(k, numel, value_itemsize, config.index_bits, config.value_dtype == "float8")
+
+
+@dataclass(frozen=True)
+class WarmupSchedule:
+    """A tensor's sparsity warm-up for a traced graph, where every payload size is a branch built in advance.
+
+    The k of each warm-up step (plan_tensor at that step) is sent in a payload of one of a few ``capacities``:
+    the final k times a power of two, the smallest that holds it (None: the step goes dense). The entries beyond
+    ``count[t]`` in a payload are zero-valued and stay in the residual, so a step sends what it would send with a
+    payload of exactly k entries, at up to twice the bytes; a graph holds log2(k_max / k) + 2 branches, not one
+    per step. ``phase[t]`` / ``count[t]`` are for steps t = 0 .. warmup_steps; later steps use the last ones.
+    """
+
+    capacities: Tuple[Optional[int], ...]
+    phase: Tuple[int, ...]
+    count: Tuple[int, ...]
+
+
+def warmup_schedule(
+    name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int, value_itemsize: int,
+    grad_itemsize: int,
+) -> Optional[WarmupSchedule]:
+    """The WarmupSchedule of a tensor, or None when it goes dense on every step (k never changes its route)."""
+    plans = [plan_tensor(name, numel, is_floating, config, world_size=world_size, step=t,
+                         value_itemsize=value_itemsize, grad_itemsize=grad_itemsize)
+             for t in range(config.warmup_steps + 1)]
+    final = plans[-1].k
+    if final is None:
+        return None
+    capacities: list = []
+    phase, count = [], []
+    for plan in plans:
+        capacity = None if plan.k is None else min(numel, final * 2 ** math.ceil(math.log2(plan.k / final) - 1e-12))
+        if capacity not in capacities:
+            capacities.append(capacity)
+        phase.append(capacities.index(capacity))
+        count.append(plan.k or 0)
+    return WarmupSchedule(tuple(capacities), tuple(phase), tuple(count))
 
 
 def allgather_nbytes(world_size: int, k: int, entry_nbytes: int) -> int:

@@ -3,15 +3,20 @@
 Same design as the PyTorch one (see horovod_topk.core.pending): ``compress`` marks, the routing of
 :mod:`horovod_topk.tensorflow.routing` calls :meth:`TopKEF.start_reduction` where Horovod launches its allreduce.
 Horovod runs that inside a ``tf.function``, so the state lives in ``tf.Variable``s created once per tensor (under
-``tf.init_scope``, i.e. outside the traced graph) and updated by ops in the graph: the residual, and an int64
-counter vector (steps, bytes sent, bytes dense, non-finite steps) that ``stats()`` reads back.
+``tf.init_scope``, i.e. outside the traced graph) and updated by ops in the graph: the residual, the momentum
+buffer (``momentum``), the running gradient-norm level (``spike_guard``), and an int64 counter vector (steps,
+bytes sent, bytes dense, non-finite steps, guarded steps) that ``stats()`` reads back.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import numpy as np
 import tensorflow as tf
+
+from ..core.policy import spike_guard_scale, warmup_schedule
 
 from ..core import (
     PayloadLayout,
@@ -32,6 +37,23 @@ from . import encoding, ops
 
 __all__ = ["TopKEF"]
 
+
+@dataclass(frozen=True)
+class _Step:
+    """What one compressed reduction of one tensor works on (built while tracing)."""
+
+    tensor: tf.Tensor
+    name: str
+    numel: int
+    wire_dtype: tf.DType
+    residual: tf.Variable
+    momentum: Optional[tf.Variable]
+    counters: tf.Variable
+    guarded: tf.Tensor
+    dense_nbytes: int
+    scale: float
+    process_set: Any
+
 _WIRE_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
                 "float8": tf.dtypes.experimental.float8_e4m3fn}
 
@@ -46,25 +68,20 @@ class TopKEF(TopKEFBase[Any]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # k is part of the traced graph here (static shapes), so a k that changes with the step (warm-up) and the
-        # extra momentum state are PyTorch-only for now: refuse them rather than ignore them.
-        if self.config.warmup_steps:
-            raise ValueError("horovod-topk: warmup_steps is not supported by the TensorFlow TopKEF yet (PyTorch only)")
-        if self.config.momentum:
-            raise ValueError("horovod-topk: momentum correction is not supported by the TensorFlow TopKEF yet "
-                             "(PyTorch only)")
-        if self.config.spike_guard is not None:
-            raise ValueError("horovod-topk: spike_guard is not supported by the TensorFlow TopKEF yet (PyTorch only)")
         if self.config.exchange == "sparse_allreduce":
             raise ValueError("horovod-topk: exchange='sparse_allreduce' is PyTorch-only for now; the TensorFlow "
                              "TopKEF uses the allgather (exchange='auto' or 'allgather')")
-        #: Per tensor name: the residual variable and the counter variable (see _counter_values).
+        #: Per tensor name: the residual, momentum-buffer, gradient-level and counter variables (_counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.
         self._trackable = tf.Module(name="horovod_topk")
         self._trackable.residuals = {}
+        self._trackable.momentum = {}
+        self._trackable.levels = {}
         self._trackable.counters = {}
         self._residual_vars: Dict[str, tf.Variable] = self._trackable.residuals
+        self._momentum_vars: Dict[str, tf.Variable] = self._trackable.momentum
+        self._level_vars: Dict[str, tf.Variable] = self._trackable.levels
         self._counter_vars: Dict[str, tf.Variable] = self._trackable.counters
 
     @property
@@ -108,8 +125,10 @@ class TopKEF(TopKEFBase[Any]):
             return None
         numel = int(np.prod(pending.shape, dtype=np.int64))
         wire_dtype = _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype) if tensor.dtype.is_floating else tensor.dtype
+        # the route is traced once: with a warm-up, the plan after it (its steps are branches, see warmup_schedule)
         plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
-                           value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size)
+                           step=self.config.warmup_steps, value_itemsize=wire_dtype.size,
+                           grad_itemsize=tensor.dtype.size)
         record = self.registry.record(name, pending.shape)
         counters = self._counters(name, record)
         if not record.verified:
@@ -117,39 +136,76 @@ class TopKEF(TopKEFBase[Any]):
         dense_nbytes = numel * tensor.dtype.size
         if not plan.compressed:
             pending.route = "dense"
-            counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes, 0], tf.int64))
+            counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes, 0, 0], tf.int64))
             return None
 
         pending.route = "topk"
         assert plan.k is not None
-        residual = self._residual(name, record, numel, ops.residual_dtype(tensor.dtype))
-        samples = sample_size(plan.k, numel) if self.config.selector == "sampled" else 0
-        layout = tensor_payload_layout(self.config, plan.k, numel, wire_dtype.size)
-        # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
-        select_dtype = ops.residual_dtype(tensor.dtype) if layout.scaled else wire_dtype
+        state_dtype = ops.residual_dtype(tensor.dtype)
+        residual = self._buffer(self._residual_vars, "residual", name, record, numel, state_dtype)
+        momentum = self._buffer(self._momentum_vars, "momentum", name, record, numel, state_dtype) \
+            if self.config.momentum else None
+        guarded = tf.constant(0, tf.int64)
+        if self.config.spike_guard is not None:
+            tensor, guarded = self._guard_spike(name, record, tensor, counters[0])
+        step = _Step(tensor, name, numel, wire_dtype, residual, momentum, counters, guarded, dense_nbytes, scale,
+                     process_set)
+        if not self.config.warmup_steps:
+            return tf.reshape(self._topk_reduce(step, plan.k), pending.shape)
+        schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
+                                   value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size)
+        assert schedule is not None  # this step is compressed, hence the last one is
+        t = tf.minimum(counters[0], len(schedule.phase) - 1)
+        count = tf.gather(tf.constant(schedule.count, tf.int32), t)
+        branches = [
+            functools.partial(self._dense_reduce, step, op_name, prescale_factor, postscale_factor) if capacity is None
+            else functools.partial(self._topk_reduce, step, capacity, count, f".c{capacity}")
+            for capacity in schedule.capacities
+        ]
+        reduced = tf.switch_case(tf.gather(tf.constant(schedule.phase, tf.int32), t), branches)
+        return tf.reshape(reduced, pending.shape)
+
+    def _topk_reduce(self, step: "_Step", k: int, count: Optional[tf.Tensor] = None, suffix: str = "") -> tf.Tensor:
+        """One allgather of k-entry payloads (of which only the ``count`` largest are non-zero, when given) and
+        their sum as a flat dense tensor; updates residual, momentum buffer and counters."""
+        from horovod.tensorflow.mpi_ops import allgather
+
+        world_size = step.process_set.size()
+        samples = sample_size(k, step.numel) if self.config.selector == "sampled" else 0
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
-        indices, values, new_residual, finite = ops.error_feedback_step(tensor, residual, plan.k, select_dtype, samples)
+        layout = tensor_payload_layout(self.config, k, step.numel, step.wire_dtype.size)
+        # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
+        select_dtype = step.residual.dtype if layout.scaled else step.wire_dtype
+        indices, values, new_residual, new_momentum, finite = ops.error_feedback_step(
+            step.tensor, step.residual, k, select_dtype, samples, step.momentum, self.config.momentum)
+        if count is not None:
+            indices, values, new_residual = ops.keep_largest(indices, values, new_residual, count, finite)
         if layout.compact:
             payload, new_residual = encoding.encode(indices, values, new_residual, layout)
         else:
             payload = ops.pack(indices, values, layout)
-        with tf.control_dependencies([residual.assign(new_residual)]):
+        updates = [step.residual.assign(new_residual)]
+        if step.momentum is not None:
+            updates.append(step.momentum.assign(new_momentum))
+        with tf.control_dependencies(updates):
             payload = tf.identity(payload)
-        gathered = allgather(payload, name=allgather_name(name), ignore_name_scope=True, process_set=process_set)
+        gathered = allgather(payload, name=allgather_name(step.name) + suffix, ignore_name_scope=True,
+                             process_set=step.process_set)
         checks = [
             tf.debugging.assert_equal(
-                tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(name, world_size)
+                tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(step.name, world_size)
             ),
-            counters.assign_add(tf.stack([tf.constant(1, tf.int64), tf.constant(layout.nbytes, tf.int64),
-                                          tf.constant(dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64)])),
+            step.counters.assign_add(tf.stack([
+                tf.constant(1, tf.int64), tf.constant(layout.nbytes, tf.int64),
+                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded])),
         ]
         with tf.control_dependencies(checks):
             unpack = encoding.decode if layout.compact else ops.unpack
-            all_indices, all_values = unpack(gathered, world_size, layout, wire_dtype)
-        dense = ops.scatter_sum(all_indices, all_values, numel, ops.residual_dtype(tensor.dtype))
-        if scale != 1.0:
-            dense = dense * tf.cast(scale, dense.dtype)
-        return tf.reshape(tf.cast(dense, tensor.dtype), pending.shape)
+            all_indices, all_values = unpack(gathered, world_size, layout, step.wire_dtype)
+        dense = ops.scatter_sum(all_indices, all_values, step.numel, step.residual.dtype)
+        if step.scale != 1.0:
+            dense = dense * tf.cast(step.scale, dense.dtype)
+        return tf.cast(dense, step.tensor.dtype)
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
                 k: Optional[int], process_set: Any) -> None:
@@ -169,17 +225,48 @@ class TopKEF(TopKEFBase[Any]):
             raise RankMismatch(message)
 
     # ---- variables -----------------------------------------------------------------------------------------
-    def _residual(self, name: str, record: TensorRecord[Any], numel: int, dtype: tf.DType) -> tf.Variable:
-        var = self._residual_vars.get(name)
+    def _guard_spike(self, name: str, record: TensorRecord[Any], tensor: tf.Tensor,
+                     step: tf.Tensor) -> "tuple[tf.Tensor, tf.Tensor]":
+        """TopKConfig.spike_guard: the gradient scaled down when its norm exceeds the guard times its running
+        level, and 1 if it was (0 if not). The rule is core.policy.spike_guard_scale itself, run on the host
+        (tf.numpy_function) on one scalar per tensor and step, so both frameworks cap alike."""
+        guard = float(self.config.spike_guard)  # type: ignore[arg-type]
+        level = self._level(name, record)
+        norm = tf.norm(tf.cast(tf.reshape(tensor, [-1]), tf.float64))
+
+        def rule(norm: np.ndarray, level: np.ndarray, step: np.ndarray) -> tuple:
+            factor, new_level = spike_guard_scale(float(norm), float(level), guard, int(step))
+            return np.float64(factor), np.float64(new_level)
+
+        factor, new_level = tf.numpy_function(rule, [norm, level, step], [tf.float64, tf.float64], stateful=False)
+        with tf.control_dependencies([level.assign(tf.reshape(new_level, []))]):
+            scaled = tensor * tf.cast(factor, tensor.dtype)
+        return scaled, tf.cast(factor < 1.0, tf.int64)
+
+    def _level(self, name: str, record: TensorRecord[Any]) -> tf.Variable:
+        var = self._level_vars.get(name)
         if var is None:
-            initial = np.zeros(numel, dtype.as_numpy_dtype) if record.residual is None else record.residual
+            with tf.init_scope():
+                var = tf.Variable(float(record.gradient_level), dtype=tf.float64, trainable=False,
+                                  name="topk_gradient_level")
+            self._level_vars[name] = var
+        return var
+
+    def _buffer(self, variables: Dict[str, tf.Variable], field: str, name: str, record: TensorRecord[Any],
+                numel: int, dtype: tf.DType) -> tf.Variable:
+        """The flat state variable ``field`` ("residual" or "momentum") of ``name``, created on first use from
+        the record's loaded value (or zeros); the record then points at the variable."""
+        var = variables.get(name)
+        if var is None:
+            loaded = getattr(record, field)
+            initial = np.zeros(numel, dtype.as_numpy_dtype) if loaded is None else loaded
             if np.shape(initial) != (numel,):
-                raise ValueError(f"horovod-topk: the residual of {name!r} has {np.size(initial)} elements, the "
+                raise ValueError(f"horovod-topk: the {field} of {name!r} has {np.size(initial)} elements, the "
                                  f"gradient {numel} (a state_dict of another model?)")
             with tf.init_scope():  # created once, outside any traced function
-                var = tf.Variable(initial.astype(dtype.as_numpy_dtype), trainable=False, name="topk_residual")
-            self._residual_vars[name] = var
-        record.residual = var
+                var = tf.Variable(initial.astype(dtype.as_numpy_dtype), trainable=False, name=f"topk_{field}")
+            variables[name] = var
+        setattr(record, field, var)
         return var
 
     def _counters(self, name: str, record: TensorRecord[Any]) -> tf.Variable:
@@ -193,35 +280,43 @@ class TopKEF(TopKEFBase[Any]):
 
     @staticmethod
     def _counter_values(record: TensorRecord[Any]) -> list:
-        """The counter variable's layout: (steps, bytes sent, bytes dense, non-finite steps)."""
-        return [record.steps, record.bytes_sent, record.bytes_dense, record.nonfinite_steps]
+        """The counter variable's layout: (steps, bytes sent, bytes dense, non-finite steps, guarded steps)."""
+        return [record.steps, record.bytes_sent, record.bytes_dense, record.nonfinite_steps, record.guarded_steps]
 
     def _refresh_counters(self) -> None:
         for name, var in self._counter_vars.items():
             record = self.registry.records.get(name)
             if record is not None:
-                record.steps, record.bytes_sent, record.bytes_dense, record.nonfinite_steps = (
-                    int(v) for v in var.numpy()
-                )
+                (record.steps, record.bytes_sent, record.bytes_dense, record.nonfinite_steps,
+                 record.guarded_steps) = (int(v) for v in var.numpy())
+                if name in self._level_vars:
+                    record.gradient_level = float(self._level_vars[name].numpy())
 
     def _after_load(self) -> None:
+        buffers = ((self._residual_vars, "residual"), (self._momentum_vars, "momentum"))
         for name in set(self._counter_vars) - set(self.registry.records):  # not in the loaded state: start over
-            self._counter_vars[name].assign(tf.zeros_like(self._counter_vars[name]))
-            if name in self._residual_vars:
-                self._residual_vars[name].assign(tf.zeros_like(self._residual_vars[name]))
+            for var in self._variables_of(name):
+                var.assign(tf.zeros_like(var))
         for name, record in self.registry.records.items():
             if name in self._counter_vars:
                 self._counter_vars[name].assign(self._counter_values(record))
-            if name in self._residual_vars and record.residual is not None:
-                self._residual_vars[name].assign(record.residual)
-                record.residual = self._residual_vars[name]
+            if name in self._level_vars:
+                self._level_vars[name].assign(record.gradient_level)
+            for variables, field in buffers:
+                if name in variables:
+                    loaded = getattr(record, field)
+                    variables[name].assign(np.zeros(variables[name].shape) if loaded is None else loaded)
+                    setattr(record, field, variables[name])
+
+    def _variables_of(self, name: str) -> list:
+        kinds = (self._counter_vars, self._residual_vars, self._momentum_vars, self._level_vars)
+        return [variables[name] for variables in kinds if name in variables]
 
     def reset(self) -> None:
         super().reset()
-        for var in self._counter_vars.values():
-            var.assign(tf.zeros_like(var))
-        for var in self._residual_vars.values():
-            var.assign(tf.zeros_like(var))
+        for name in self._counter_vars:
+            for var in self._variables_of(name):
+                var.assign(tf.zeros_like(var))
 
     # ---- state hooks ---------------------------------------------------------------------------------------
     def _export_residual(self, residual: Any) -> np.ndarray:

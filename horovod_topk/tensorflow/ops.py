@@ -6,7 +6,7 @@ both frameworks.
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import tensorflow as tf
 
@@ -19,6 +19,7 @@ __all__ = [
     "compensate_and_select",
     "compensate_nonfinite",
     "error_feedback_step",
+    "keep_largest",
     "pack",
     "unpack",
     "scatter_sum",
@@ -92,17 +93,56 @@ def compensate_nonfinite(
 
 
 def error_feedback_step(
-    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType, sample_size: int = 0
-) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-    """compensate_and_select, or compensate_nonfinite when the gradient has a NaN/Inf; the 4th output says which
-    (True: the gradient was finite)."""
+    grad: tf.Tensor,
+    residual: tf.Tensor,
+    k: int,
+    wire_dtype: tf.DType,
+    sample_size: int = 0,
+    momentum_buffer: Optional[tf.Tensor] = None,
+    momentum: float = 0.0,
+) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, Optional[tf.Tensor], tf.Tensor]:
+    """compensate_and_select, or compensate_nonfinite when the gradient has a NaN/Inf.
+
+    With a ``momentum_buffer`` u (DGC momentum correction, same rule as horovod_topk.torch.ops): u = m u + g,
+    the residual takes u instead of g, and u is zeroed where entries are sent (momentum-factor masking); the
+    NaN/Inf entries of a non-finite gradient enter neither.
+
+    Returns (indices, values, new residual, new momentum buffer or None, True if the gradient was finite)."""
     finite = tf.reduce_all(tf.math.is_finite(grad))
+    new_momentum = None
+    if momentum_buffer is not None:
+        flat = tf.cast(tf.reshape(grad, [-1]), momentum_buffer.dtype)
+        entry_finite = tf.math.is_finite(flat)
+        new_momentum = tf.where(entry_finite, momentum * momentum_buffer + flat, momentum_buffer)
+        grad = tf.where(entry_finite, new_momentum, flat)  # what enters the residual; the NaN/Inf stay as they are
     indices, values, new_residual = tf.cond(
         finite,
         lambda: compensate_and_select(grad, residual, k, wire_dtype, sample_size),
         lambda: compensate_nonfinite(grad, residual, k, wire_dtype),
     )
-    return indices, values, new_residual, finite
+    if new_momentum is not None:
+        masked = tf.tensor_scatter_nd_update(new_momentum, indices[:, None], tf.zeros([k], new_momentum.dtype))
+        new_momentum = tf.where(finite, masked, new_momentum)
+    return indices, values, new_residual, new_momentum, finite
+
+
+def keep_largest(
+    indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor, count: tf.Tensor, finite: tf.Tensor
+) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """A selection of capacity c cut to its ``count`` largest-magnitude entries (count <= c, a tensor: it changes
+    with the step inside one graph): the others are sent as zeros and their values go back into the residual, so
+    ``new residual + sent == old residual + grad`` still holds. A non-finite step is left as it is (what it sends
+    is the NaN/Inf entries, none of which is in the residual)."""
+
+    def cut() -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        order = tf.argsort(tf.abs(tf.cast(values, new_residual.dtype)), direction="DESCENDING", stable=True)
+        ordered_indices, ordered_values = tf.gather(indices, order), tf.gather(values, order)
+        keep = tf.range(tf.size(order)) < count
+        unsent = tf.where(keep, tf.zeros_like(ordered_values), ordered_values)
+        residual = tf.tensor_scatter_nd_add(new_residual, ordered_indices[:, None], tf.cast(unsent, new_residual.dtype))
+        return ordered_indices, ordered_values - unsent, residual
+
+    return tf.cond(finite, cut, lambda: (indices, values, new_residual))
 
 
 def _bytes_of(x: tf.Tensor) -> tf.Tensor:

@@ -4,8 +4,10 @@
 wrapper all go through) call ``_allreduce`` and ``_grouped_allreduce`` from the ``horovod.tensorflow`` module
 namespace. We replace those two names there, in memory (no file changes), with functions that pass unmarked tensors
 to Horovod's originals unchanged; marked ones start the compressed reduction, and what must go dense goes back to
-Horovod's originals (grouped ones stay grouped). The user-facing constructors are wrapped only to refuse, at
-construction, an op TopKEF cannot do.
+Horovod's originals (grouped ones stay grouped). The user-facing constructors are wrapped to refuse, at
+construction, an op TopKEF cannot do, and to adapt Horovod to Keras 3 (:mod:`horovod_topk.tensorflow.keras3`):
+the tape accepts Keras 3 variables, and a Keras 3 optimizer given to either ``DistributedOptimizer`` gets a
+wrapper that reduces its gradients (Horovod's own would silently not).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import functools
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..core import PendingReduction, group_member_name, pending_of, refuse_unsupported_op
+from . import keras3
 from .compressor import TopKEF
 
 __all__ = ["install"]
@@ -26,12 +29,16 @@ def _uses_topk(compression: Any) -> bool:
 
 def install() -> None:
     """Install the routing once per process (idempotent). Raises ImportError on an unknown Horovod layout."""
+    import horovod._keras as hvd_keras_impl
     import horovod.tensorflow as hvd
     from horovod.tensorflow.mpi_ops import Adasum, Average, Sum, _normalize_name, global_process_set
 
     if getattr(hvd, _INSTALLED_FLAG, False):
         return
-    missing = [n for n in ("_allreduce", "_grouped_allreduce", "DistributedOptimizer") if not hasattr(hvd, n)]
+    missing = [n for n in ("_allreduce", "_grouped_allreduce", "DistributedOptimizer", "_make_allreduce_grads_fn")
+               if not hasattr(hvd, n)]
+    if not hasattr(hvd_keras_impl, "create_distributed_optimizer"):
+        missing.append("_keras.create_distributed_optimizer")
     if missing:
         raise ImportError(f"horovod-topk: horovod.tensorflow has no {', '.join(missing)}; horovod-topk supports 0.28.")
     dense_allreduce = hvd._allreduce
@@ -87,7 +94,8 @@ def install() -> None:
                 outputs[position] = out
         return outputs
 
-    def refusing(constructor: Callable[..., Any], compression_index: int, op_index: int) -> Callable[..., Any]:
+    def refusing(constructor: Callable[..., Any], compression_index: int, op_index: int,
+                 adapt: Callable[[Any], Any] = lambda made: made) -> Callable[..., Any]:
         def argument(args: Sequence[Any], kwargs: Any, key: str, index: int) -> Any:
             return kwargs.get(key, args[index] if len(args) > index else None)
 
@@ -95,14 +103,30 @@ def install() -> None:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             refuse_unsupported_op(_uses_topk(argument(args, kwargs, "compression", compression_index)),
                                   argument(args, kwargs, "op", op_index), Average, Sum, Adasum)
-            return constructor(*args, **kwargs)
+            return adapt(constructor(*args, **kwargs))
         return wrapper
+
+    keras_optimizer = hvd_keras_impl.create_distributed_optimizer
+
+    @functools.wraps(keras_optimizer)
+    def create_distributed_optimizer(**kwargs: Any) -> Any:
+        """What both DistributedOptimizers build a Keras optimizer with (Horovod 0.28.1 passes keywords only)."""
+        refuse_unsupported_op(_uses_topk(kwargs.get("compression")), kwargs.get("op"), Average, Sum, Adasum)
+        if not keras3.is_keras3_optimizer(kwargs.get("optimizer")):
+            return keras_optimizer(**kwargs)
+        return keras3.distributed_optimizer(
+            kwargs["optimizer"], name=kwargs.get("name"), compression=kwargs["compression"],
+            sparse_as_dense=kwargs.get("sparse_as_dense", False), op=kwargs.get("op", Average),
+            gradient_predivide_factor=kwargs.get("gradient_predivide_factor", 1.0), groups=kwargs.get("groups"),
+            process_set=kwargs.get("process_set", global_process_set),
+            backward_passes_per_step=kwargs.get("backward_passes_per_step", 1),
+            device_dense=kwargs.get("device_dense", ""), device_sparse=kwargs.get("device_sparse", ""))
 
     hvd._allreduce = _allreduce
     hvd._grouped_allreduce = _grouped_allreduce
-    # positional indices of `compression` and `op` in each constructor's signature (Horovod 0.28.1). The Keras
-    # wrapper is not wrapped (importing it drags Keras in): there an unsupported op fails at the first step.
+    # positional indices of `compression` and `op` in each constructor's signature (Horovod 0.28.1)
     hvd.DistributedOptimizer = refusing(hvd.DistributedOptimizer, 5, 8)
     if hasattr(hvd, "DistributedGradientTape"):
-        hvd.DistributedGradientTape = refusing(hvd.DistributedGradientTape, 3, 5)
+        hvd.DistributedGradientTape = refusing(hvd.DistributedGradientTape, 3, 5, keras3.adapt_gradient_tape)
+    hvd_keras_impl.create_distributed_optimizer = create_distributed_optimizer
     setattr(hvd, _INSTALLED_FLAG, True)

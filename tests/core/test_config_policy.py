@@ -155,3 +155,22 @@ def test_spike_guard_waits_for_a_settled_level_then_caps_and_keeps_the_spike_out
 def test_spike_guard_is_validated(bad):
     with pytest.raises(ValueError, match="spike_guard"):
         TopKConfig(spike_guard=bad)
+
+
+def test_warmup_schedule_groups_the_warm_up_ks_into_a_few_payload_capacities():
+    from horovod_topk.core.policy import plan_tensor, warmup_schedule
+
+    config = TopKConfig(ratio=0.01, warmup_steps=10)
+    schedule = warmup_schedule("w", 100_000, True, config, world_size=2, value_itemsize=4, grad_itemsize=4)
+    plans = [plan_tensor("w", 100_000, True, config, world_size=2, step=t) for t in range(11)]
+    assert len(schedule.phase) == len(schedule.count) == 11
+    for t, plan in enumerate(plans):
+        capacity = schedule.capacities[schedule.phase[t]]
+        if plan.k is None:
+            assert capacity is None and schedule.count[t] == 0
+        else:
+            assert schedule.count[t] == plan.k and plan.k <= capacity < 2 * plan.k
+    assert schedule.capacities[schedule.phase[-1]] == schedule.count[-1] == 1000
+    # dense, then powers of two times the final k up to the dense crossover (k > N/2 on 2 workers): 2 + 6 at most
+    assert len(schedule.capacities) <= 2 + 6
+    assert warmup_schedule("b", 100, True, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None

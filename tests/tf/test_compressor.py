@@ -52,12 +52,8 @@ def test_invalid_options_are_refused():
         TopKEF(k=0)
 
 
-def test_pytorch_only_options_are_refused_clearly():
-    with pytest.raises(ValueError, match="warmup_steps is not supported by the TensorFlow"):
-        TopKEF(warmup_steps=10)
-
-    with pytest.raises(ValueError, match="momentum correction"):
-        TopKEF(momentum=0.9)
+def test_warmup_momentum_and_spike_guard_are_accepted():
+    assert TopKEF(warmup_steps=10, momentum=0.9, spike_guard=3.0).config.momentum == 0.9
 
 
 def test_sparse_allreduce_is_refused_as_pytorch_only():

@@ -96,14 +96,63 @@ def test_nonfinite_gradient_entries_are_sent_and_never_enter_the_residual(bad):
     grad = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     grad[[7, 4000]] = bad
     residual = np.random.default_rng(1).standard_normal(n).astype(np.float32)
-    indices, values, new_residual, finite = ops.error_feedback_step(
+    indices, values, new_residual, momentum, finite = ops.error_feedback_step(
         tf.constant(grad), tf.constant(residual), k, tf.float32, sample_size=1024
     )
+    assert momentum is None
     assert not bool(finite)
     ok = np.isfinite(grad)
     np.testing.assert_array_equal(new_residual.numpy(), np.where(ok, residual + np.where(ok, grad, 0), residual))
     assert set(indices.numpy().tolist()) == {7, 4000} and indices.numpy()[:2].tolist() == [7, 4000]
     assert not np.isfinite(values.numpy()).any()
-    _, _, regular, finite = ops.error_feedback_step(tf.constant(np.where(ok, grad, 0)), tf.constant(residual), k,
+    _, _, regular, _, finite = ops.error_feedback_step(tf.constant(np.where(ok, grad, 0)), tf.constant(residual), k,
                                                     tf.float32)
     assert bool(finite) and np.isfinite(regular.numpy()).all()
+
+
+def _momentum_case(bad=None):
+    rng = np.random.RandomState(3)
+    grad = rng.randn(500).astype(np.float32)
+    if bad is not None:
+        grad[[7, 300]] = bad
+    residual = (rng.randn(500) * 0.1).astype(np.float32)
+    momentum = (rng.randn(500) * 0.5).astype(np.float32)
+    out = ops.error_feedback_step(tf.constant(grad), tf.constant(residual), 20, tf.float32, 0, tf.constant(momentum),
+                                  0.9)
+    return grad, residual, momentum, [None if t is None else t.numpy() for t in out]
+
+
+def test_momentum_correction_accumulates_velocity_sends_it_and_masks_it():
+    grad, residual, momentum, (indices, values, new_residual, new_momentum, finite) = _momentum_case()
+    velocity = 0.9 * momentum + grad
+    assert finite
+    sent = np.zeros(500, np.float32)
+    sent[indices] = values
+    np.testing.assert_allclose(sent + new_residual, residual + velocity, rtol=1e-6, atol=1e-7)
+    assert set(indices.tolist()) == set(np.argsort(-np.abs(residual + velocity))[:20].tolist())
+    assert np.all(new_momentum[indices] == 0)
+    kept = np.setdiff1d(np.arange(500), indices)
+    np.testing.assert_allclose(new_momentum[kept], velocity[kept], rtol=1e-6)
+
+
+def test_momentum_correction_keeps_nonfinite_entries_out_of_both_buffers():
+    grad, residual, momentum, (indices, values, new_residual, new_momentum, finite) = _momentum_case(np.nan)
+    finite_entries = np.isfinite(grad)
+    velocity = np.where(finite_entries, 0.9 * momentum + grad, momentum)
+    assert not finite and set(indices.tolist()) == {7, 300} and np.isnan(values).all()
+    np.testing.assert_allclose(new_momentum, velocity, rtol=1e-6)
+    np.testing.assert_allclose(new_residual, residual + np.where(finite_entries, velocity, 0), rtol=1e-6)
+
+
+def test_a_payload_cut_to_count_sends_the_largest_and_keeps_the_rest_in_the_residual():
+    rng = np.random.RandomState(5)
+    grad, residual = rng.randn(400).astype(np.float32), (rng.randn(400) * 0.1).astype(np.float32)
+    indices, values, new_residual, _, finite = ops.error_feedback_step(tf.constant(grad), tf.constant(residual), 40,
+                                                                       tf.float32)
+    cut_indices, cut_values, cut_residual = (t.numpy() for t in ops.keep_largest(
+        indices, values, new_residual, tf.constant(25), finite))
+    sent = np.zeros(400, np.float32)
+    np.add.at(sent, cut_indices, cut_values)
+    assert np.count_nonzero(cut_values) == 25 and cut_indices.shape == (40,)
+    assert set(cut_indices[:25].tolist()) == set(np.argsort(-np.abs(residual + grad))[:25].tolist())
+    np.testing.assert_allclose(sent + cut_residual, residual + grad, rtol=1e-6, atol=1e-7)
