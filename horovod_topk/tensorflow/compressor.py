@@ -207,6 +207,24 @@ class TopKEF(TopKEFBase[Any]):
             dense = dense * tf.cast(step.scale, dense.dtype)
         return tf.cast(dense, step.tensor.dtype)
 
+    def _dense_reduce(self, step: "_Step", op_name: str, prescale_factor: float, postscale_factor: float) -> tf.Tensor:
+        """A warm-up step that goes dense: Horovod's own allreduce of the gradient plus what the residual still
+        holds (nothing is lost when a tensor changes route), as a flat tensor."""
+        from horovod.tensorflow.mpi_ops import Average, Sum, _allreduce
+
+        flat = tf.reshape(step.tensor, [-1])
+        finite = tf.reduce_all(tf.math.is_finite(flat))
+        leftover = tf.where(finite, step.residual, tf.zeros_like(step.residual))  # kept for a finite step
+        with tf.control_dependencies([step.residual.assign_sub(leftover)]):
+            flat = flat + tf.cast(leftover, flat.dtype)
+        reduced = _allreduce(flat, name=f"{step.name}.dense", op=Average if op_name == "average" else Sum,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             ignore_name_scope=True, process_set=step.process_set)
+        with tf.control_dependencies([step.counters.assign_add(tf.stack([
+                tf.constant(1, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
+                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded]))]):
+            return tf.identity(reduced)
+
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
                 k: Optional[int], process_set: Any) -> None:
         """Check once (at trace time, or on the first eager step) that every rank agrees about this tensor
