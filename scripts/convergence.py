@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Does TopKEF reach the accuracy of dense training? Real data, 2 Horovod workers, same seeds and schedule.
+"""Does TopKEF reach the accuracy of dense training? Real data, 2 Horovod workers (--workers P: more), same seeds
+and schedule.
 
 Tasks (no synthetic data, no downloads):
   digits          scikit-learn's handwritten digits, the CNN of examples/digits_torch.py: test accuracy
@@ -12,12 +13,14 @@ Tasks (no synthetic data, no downloads):
 Methods: dense allreduce, hvd.Compression.fp16, TopKEF ratio 0.01, TopKEF ratio 0.001 with sparsity warm-up, and the
 compact encoding at the same bytes (ratio 0.025 and 0.0025 with index_bits=16, value_dtype="float8").
 
-Each run is its own `horovodrun -np 2` job writing one JSON file; finished runs are skipped, so an interrupted
+Each run is its own `horovodrun -np P` job writing one JSON file; finished runs are skipped, so an interrupted
 study resumes where it stopped. One line per finished run ([k/N] ...), then a table (mean ± half range over
 seeds) and one loss-curve plot per task.
 
     python scripts/convergence.py                                  # everything, 3 seeds (about 15 minutes here)
     python scripts/convergence.py --tasks digits --seeds 0 --out /tmp/conv
+    python scripts/convergence.py --workers 4 --tasks digits charlm \
+        --methods dense topk0.01-allgather topk0.01-sparse_allreduce        # the two exchanges at P = 4
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
-EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267"]
+EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.01-sparse_allreduce"]
 
 
 def compression_for(method: str, warmup_steps: int):
@@ -53,6 +56,9 @@ def compression_for(method: str, warmup_steps: int):
         "compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8"),
         "compact0.0025-warmup": TopKEF(ratio=0.0025, index_bits=16, value_dtype="float8", warmup_steps=warmup_steps),
         "topk0.0267": TopKEF(ratio=0.0267),  # the entries of compact0.025's budget, at 8 bytes each (2.7x its bytes)
+        # the two exchanges forced (exchange="auto" takes the allgather at P = 2 and the sparse allreduce from P = 3)
+        "topk0.01-allgather": TopKEF(ratio=0.01, exchange="allgather"),
+        "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce"),
     }[method]
 
 
@@ -93,7 +99,8 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
         curve.append(hvd.allreduce(torch.tensor(total / steps), name="loss").item())
         with torch.no_grad():
             metric.append((model(x_test).argmax(1) == y_test).float().mean().item())
-    return {"metric": "test accuracy", "final": metric[-1], "curve": curve, "metric_curve": metric}
+    return {"metric": "test accuracy", "final": metric[-1], "curve": curve, "metric_curve": metric,
+            "steps_per_epoch": steps}
 
 
 #: Language-model budgets in steps: "short" (the study's original 400-step charlm budget) and "converged" (dense's
@@ -166,8 +173,9 @@ def worker(task: str, method: str, seed: int, budget: str, out: Path) -> None:
         tmp.replace(out)  # atomic: a killed run leaves no half-written result behind
 
 
-def result_name(task: str, method: str, seed: int, budget: str) -> str:
-    return f"{task}-{budget}-{method}-{seed}.json" if task in LM_BUDGETS else f"{task}-{method}-{seed}.json"
+def result_name(task: str, method: str, seed: int, budget: str, workers: int = 2) -> str:
+    name = f"{task}-{budget}-{method}-{seed}" if task in LM_BUDGETS else f"{task}-{method}-{seed}"
+    return f"{name}.json" if workers == 2 else f"{name}-p{workers}.json"
 
 
 def steps_to_target(run: dict, target: float) -> Optional[int]:
@@ -182,8 +190,8 @@ def mean_half(values: List[float]) -> str:
     return f"{sum(values) / len(values):.4f} ± {(max(values) - min(values)) / 2:.4f}"
 
 
-def summarize(out_dir: Path, tasks, methods, seeds, budget: str, plot: bool) -> None:
-    load = {(t, m, s): json.loads((out_dir / result_name(t, m, s, budget)).read_text())
+def summarize(out_dir: Path, tasks, methods, seeds, budget: str, plot: bool, workers: int = 2) -> None:
+    load = {(t, m, s): json.loads((out_dir / result_name(t, m, s, budget, workers)).read_text())
             for t in tasks for m in methods for s in seeds}
     print("| task | metric | " + " | ".join(methods) + " |")
     print("|---|---|" + "---|" * len(methods))
@@ -251,14 +259,15 @@ def summarize(out_dir: Path, tasks, methods, seeds, budget: str, plot: bool) -> 
                 axes[0][1].set_xlabel("MB handed to collectives by rank 0")
                 axes[0][1].set_xscale("log")
                 axes[0][1].set_ylabel("validation loss (mean over seeds)")
-                axes[0][0].set_title(f"{task} ({budget} budget): 2 workers")
+                axes[0][0].set_title(f"{task} ({budget} budget): {workers} workers")
             else:
                 axes[0][0].set_yscale("log")
                 axes[0][0].set_xlabel("epoch")
                 axes[0][0].set_ylabel("training loss (mean over seeds)")
-                axes[0][0].set_title(f"{task}: 2 workers")
+                axes[0][0].set_title(f"{task}: {workers} workers")
             axes[0][0].legend()
-            name = f"convergence_{task}-{budget}.png" if is_lm else f"convergence_{task}.png"
+            name = f"convergence_{task}-{budget}" if is_lm else f"convergence_{task}"
+            name += ".png" if workers == 2 else f"-p{workers}.png"
             path = ROOT / "docs" / name
             path.parent.mkdir(exist_ok=True)
             fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -272,26 +281,33 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--budget", default="short", choices=["short", "converged"],
                         help="language-model budget (steps in LM_BUDGETS); the digits tasks always run 30 epochs")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="Horovod workers per run (digits-noniid needs 2: it splits the classes in two halves)")
     parser.add_argument("--out", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--worker", nargs=3, metavar=("TASK", "METHOD", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     out_dir = Path(args.out)
+    tasks = [args.worker[0]] if args.worker else args.tasks
+    if args.workers < 2 or ("digits-noniid" in tasks and args.workers != 2):
+        parser.error(f"--workers {args.workers}: need at least 2, and exactly 2 with digits-noniid")
     if args.worker:
         task, method, seed = args.worker
-        worker(task, method, int(seed), args.budget, out_dir / result_name(task, method, int(seed), args.budget))
+        worker(task, method, int(seed), args.budget,
+               out_dir / result_name(task, method, int(seed), args.budget, args.workers))
         return
     runs = [(t, m, s) for t in args.tasks for m in args.methods for s in args.seeds]
     for n, (task, method, seed) in enumerate(runs, 1):
-        path = out_dir / result_name(task, method, seed, args.budget)
+        path = out_dir / result_name(task, method, seed, args.budget, args.workers)
         if not path.exists():
-            subprocess.run(["horovodrun", "-np", "2", "-H", "localhost:2", sys.executable, __file__,
-                            "--worker", task, method, str(seed), "--budget", args.budget, "--out", str(out_dir)],
-                           check=True, capture_output=True, text=True)
+            p = str(args.workers)
+            subprocess.run(["horovodrun", "-np", p, "-H", f"localhost:{p}", sys.executable, __file__,
+                            "--worker", task, method, str(seed), "--budget", args.budget, "--out", str(out_dir),
+                            "--workers", p], check=True, capture_output=True, text=True)
         r = json.loads(path.read_text())
         print(f"[{n}/{len(runs)}] {task:<14} {method:<17} seed {seed}: {r['metric']} {r['final']:.4f} "
               f"({r['seconds']:.0f} s)", flush=True)
-    summarize(out_dir, args.tasks, args.methods, args.seeds, args.budget, plot=not args.no_plot)
+    summarize(out_dir, args.tasks, args.methods, args.seeds, args.budget, plot=not args.no_plot, workers=args.workers)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Time to reach dense's final loss on a shaped link: what a user of a slow network actually waits for.
+
+Combines two measurements taken separately (each needs the whole machine):
+  - steps to target, from scripts/convergence.py's runs (3 seeds, P workers): for a language model the first
+    evaluation at which the validation loss is at or below 1.01 x dense's final validation loss (mean over seeds);
+    for digits the first epoch whose training loss (averaged over workers) is at or below 1.01 x dense's final
+    training loss;
+  - the step time of the same model, P workers and method on the test bed's shaped links, from
+    `scripts/bench_e2e.py --model ... --json FILE`.
+Time to target = steps to target x step time. Why a product and not one timed training run per link: a timed run
+of every method to convergence on every link is hours of this 2-core machine, while the step time does not depend
+on the step's data; the product is exact as long as the step time is steady, which bench_e2e's 10-step means
+assume as well.
+
+    python scripts/time_to_target.py --task charlm --workers 4 --e2e results/e2e_charlm_p4.json
+    python scripts/time_to_target.py --task digits --workers 4 --e2e results/e2e_digits_p4.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from convergence import LM_BUDGETS, OVERRUN, result_name, steps_to_target  # noqa: E402
+
+
+def digits_steps_to_target(run: dict, target: float, steps_per_epoch: int) -> Optional[int]:
+    """Steps to the first epoch whose mean training loss is at or below ``target`` (None: never)."""
+    for epoch, loss in enumerate(run["curve"], 1):
+        if loss <= target:
+            return epoch * steps_per_epoch
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", required=True, choices=["digits", "charlm", "gptlm"])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--budget", default="short", choices=["short", "converged"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--e2e", required=True, help="JSON written by scripts/bench_e2e.py --json for this model")
+    parser.add_argument("--convergence", default=str(ROOT / "results" / "convergence"))
+    parser.add_argument("--steps-per-epoch", type=int,
+                        help="digits: optimizer steps per epoch at this P (default: 1437 training images / P / 32)")
+    args = parser.parse_args()
+    e2e = json.loads(Path(args.e2e).read_text())
+    rows = [r for r in e2e["rows"] if r["workers"] == args.workers]
+    if not rows:
+        parser.error(f"{args.e2e} has no rows for {args.workers} workers")
+    methods: List[str] = list(dict.fromkeys(r["method"] for r in rows))
+    rates: List[str] = list(dict.fromkeys(r["rate"] for r in rows))
+    conv = Path(args.convergence)
+    runs: Dict[str, List[dict]] = {}
+    for method in methods:
+        paths = [conv / result_name(args.task, method, s, args.budget, args.workers) for s in args.seeds]
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing:
+            parser.error(f"no convergence run for {method}: {', '.join(missing)} (run scripts/convergence.py "
+                         f"--workers {args.workers} --tasks {args.task} --methods {method})")
+        runs[method] = [json.loads(p.read_text()) for p in paths]
+    if "dense" not in runs:
+        parser.error("the e2e JSON needs a dense row: dense's final loss is the target")
+
+    if args.task == "digits":
+        # digits_data's 80% split of 1797 images, split over the workers, batch 32 (convergence.py records it too)
+        spe = args.steps_per_epoch or runs["dense"][0].get("steps_per_epoch") or (1437 // args.workers) // 32
+        target = 1.01 * sum(r["curve"][-1] for r in runs["dense"]) / len(runs["dense"])
+        reach = {m: [digits_steps_to_target(r, target, spe) for r in rs] for m, rs in runs.items()}
+        limit = len(runs["dense"][0]["curve"]) * spe
+        what = f"training loss <= {target:.4f} (1.01 x dense's final, mean over seeds)"
+    else:
+        target = 1.01 * sum(r["final"] for r in runs["dense"]) / len(runs["dense"])
+        reach = {m: [steps_to_target(r, target) for r in rs] for m, rs in runs.items()}
+        limit = int(OVERRUN * LM_BUDGETS[args.task][args.budget])
+        what = f"validation loss <= {target:.4f} (1.01 x dense's final, mean over seeds)"
+
+    print(f"{args.task}, {args.workers} workers, target {what}; step times from {args.e2e} ({e2e['model']})")
+    print("| bandwidth | method | steps to target (per seed) | step time (ms) | time to target | vs dense |")
+    print("|---|---|---|---|---|---|")
+    for rate in rates:
+        step_s = {r["method"]: r["t_step_s"] for r in rows if r["rate"] == rate}
+        dense_steps = [x for x in reach["dense"] if x]
+        dense_time = sum(dense_steps) / len(dense_steps) * step_s["dense"] if dense_steps else None
+        for method in methods:
+            per_seed = ", ".join(str(x) if x else "-" for x in reach[method])
+            if all(reach[method]):
+                t = sum(reach[method]) / len(reach[method]) * step_s[method]
+                cell = f"{t:.1f} s"
+                rel = f"{t / dense_time:.2f}x" if dense_time else "–"
+            else:
+                t = limit * step_s[method]
+                cell, rel = f"not reached in {limit} steps (> {t:.1f} s)", "–"
+            print(f"| {rate} | {method} | {per_seed} | {step_s[method] * 1e3:.1f} | {cell} | {rel} |")
+
+
+if __name__ == "__main__":
+    main()
