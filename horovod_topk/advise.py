@@ -328,7 +328,7 @@ def check(data: dict, link_defaults: Link, base: TopKConfig, *, overlap: float, 
              f"{grad_itemsize}-byte gradients; bandwidth x{link_defaults.efficiency:g} effective, latency "
              f"{link_defaults.latency_s * 1e6:g} us per collective, overlap {overlap:g}",
              f"{'P':>3} {'rate':>8} {'method':<26} {'T_compute':>9} {'T_step meas':>11} {'pred':>8} {'pred/meas':>9}"
-             f" {'bytes meas':>12} {'pred':>12} {'pred/meas':>9}"]
+             f" {'bytes meas':>12} {'bytes pred':>12} {'pred/meas':>9}"]
     step_ratios = []
     for i, row in enumerate(data["rows"]):
         try:
