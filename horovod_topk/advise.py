@@ -323,7 +323,9 @@ def check(data: dict, link_defaults: Link, base: TopKConfig, *, overlap: float, 
         tensors = [(str(name), int(numel)) for name, numel in data["tensors"]]
     except (TypeError, ValueError):
         raise ValueError("'tensors' must be a list of [name, numel] pairs") from None
-    grad_itemsize = int(data.get("grad_bytes", 4))
+    grad_itemsize = data.get("grad_bytes", 4)
+    if grad_itemsize not in (1, 2, 4, 8):
+        raise ValueError(f"'grad_bytes' must be 1, 2, 4 or 8, got {grad_itemsize!r}")
     lines = [f"model {data.get('model', '?')}: {len(tensors)} tensors, {sum(n for _, n in tensors):,} parameters, "
              f"{grad_itemsize}-byte gradients; bandwidth x{link_defaults.efficiency:g} effective, latency "
              f"{link_defaults.latency_s * 1e6:g} us per collective, overlap {overlap:g}",
@@ -331,17 +333,24 @@ def check(data: dict, link_defaults: Link, base: TopKConfig, *, overlap: float, 
              f" {'bytes meas':>12} {'bytes pred':>12} {'pred/meas':>9}"]
     step_ratios = []
     for i, row in enumerate(data["rows"]):
+        if not isinstance(row, dict):
+            raise ValueError(f"row {i} must be an object with workers, rate, method, t_compute_s, t_step_s; got {row!r}")
         try:
             workers = int(row["workers"])
             rate_bps = float(row["rate_bps"]) if row.get("rate_bps") else parse_bandwidth(row["rate"])
             t_compute, t_step = float(row["t_compute_s"]), float(row["t_step_s"])
             method, cfg = row_method(row, base)
-        except (KeyError, TypeError, ValueError, argparse.ArgumentTypeError) as e:
-            raise ValueError(f"row {i} ({row!r}): {e}") from None
-        link = Link(rate_bps, link_defaults.efficiency, link_defaults.latency_s, link_defaults.fusion_threshold_bytes)
-        pred = predict(method, tensors, workers, link, t_compute, config=cfg, grad_itemsize=grad_itemsize,
-                       overlap=overlap, t_compress_s=t_compress_s, sparse_available=sparse_available)
-        tx = row.get("tx_bytes_per_step")
+            link = Link(rate_bps, link_defaults.efficiency, link_defaults.latency_s,
+                        link_defaults.fusion_threshold_bytes)
+            pred = predict(method, tensors, workers, link, t_compute, config=cfg, grad_itemsize=grad_itemsize,
+                           overlap=overlap, t_compress_s=t_compress_s, sparse_available=sparse_available)
+            tx = row.get("tx_bytes_per_step")
+            tx = None if tx is None else float(tx)
+            if t_step <= 0:
+                raise ValueError(f"t_step_s must be above 0, got {t_step}")
+        except (AttributeError, KeyError, TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            what = f"missing {e}" if isinstance(e, KeyError) else str(e)
+            raise ValueError(f"row {i} ({row!r}): {what}") from None
         step_ratio = pred.t_step_s / t_step
         step_ratios.append(step_ratio)
         byte_cols = (f"{_mb(tx):>12} {_mb(pred.nbytes):>12} {pred.nbytes / tx:>9.2f}" if tx else
