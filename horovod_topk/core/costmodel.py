@@ -49,9 +49,9 @@ shaper's queue and TCP's reaction to it). Measured with scripts/bench_e2e.py on 
 rows is then predicted within -12% .. +9%. The TopKEF rows of that table cannot calibrate it: their 0.02-0.17 MB per
 step fits in the shaper's 256 KiB token-bucket burst (scripts/testbed.sh), so at 100 Mbit/s they leave faster than
 the rate and the model over-predicts them (x1.55 for ratio 0.01; a real link has no such bucket); the other TopKEF
-rows come out x0.62 .. x1.04, their 1-7 ms of communication being of the size of the run-to-run noise (+-10 ms,
-README) and of what the model leaves to --compress-time and --latency (compression is not in T_compute; 7
-collectives per step). ``python -m horovod_topk.advise --check`` prints this comparison for any bench_e2e run.
+rows come out x0.62 .. x1.04, their 1-7 ms of communication (24 ms in one noisy run) being of the size of the
+run-to-run noise (+-10 ms, README) and of what the model leaves to --compress-time and --latency (compression is not
+in T_compute; 7 collectives per step). ``python -m horovod_topk.advise --check`` prints this comparison for any bench_e2e run.
 
 Standard library only, like the rest of core.
 """
