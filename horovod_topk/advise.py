@@ -375,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--params", type=_params, help="a parameter count, e.g. 25.6e6 (split as --layer-numel says)")
     src.add_argument("--tensors", type=_tensor_size, nargs="+", metavar="SIZE",
                      help="each tensor's numel (524288) or shape (512x1024)")
-    src.add_argument("--check", metavar="FILE", help="compare with the measured rows of scripts/bench_e2e.py --json FILE (workers, bandwidth and "
-                          "T_compute come from each row)")
+    src.add_argument("--check", metavar="FILE",
+                     help="compare with the measured rows of scripts/bench_e2e.py --json FILE (workers, bandwidth "
+                          "and T_compute come from each row)")
     p.add_argument("--layer-numel", type=_positive_int, default=LAYER_NUMEL,
                    help=f"with --params: largest tensor size (default {LAYER_NUMEL})")
     p.add_argument("--workers", "-P", type=_positive_int, help="number of workers (ranks)")
