@@ -7,6 +7,7 @@ what goes on the wire can be tested and reasoned about without a framework or a 
 from .compressor import TopKEFBase, default_instance_method
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
 from .consistency import RankMismatch, check_name, fingerprint, mismatch_message
+from .costmodel import Link, Prediction, predict
 from .naming import allgather_name, group_member_name
 from .pending import PENDING_ATTR, PendingReduction, mark, pending_of, reduction_scale, refuse_unsupported_op
 from .payload import ALIGNMENT, INDEX_ITEMSIZE, PayloadLayout, PayloadSizeMismatch
@@ -41,4 +42,7 @@ __all__ = [
     "check_name",
     "fingerprint",
     "mismatch_message",
+    "Link",
+    "Prediction",
+    "predict",
 ]
