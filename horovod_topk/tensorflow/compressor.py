@@ -113,7 +113,8 @@ class TopKEF(TopKEFBase[Any]):
         postscale_factor: float,
         process_set: Any,
     ) -> Optional[tf.Tensor]:
-        """The dense reduced gradient, computed from one allgather of Top-K payloads; None to go dense."""
+        """The dense reduced gradient, computed from the Top-K entries of every rank (an allgather or the sparse
+        allreduce, as core.exchange chooses); None to go dense."""
         from horovod.tensorflow.mpi_ops import allgather
 
         world_size = process_set.size()
