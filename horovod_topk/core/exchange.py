@@ -167,6 +167,12 @@ class SparseAllreduceLayouts:
         """Bytes of the whole phase-1 buffer (P blocks, one per destination)."""
         return self.world_size * self.send.nbytes
 
+    @property
+    def sent_nbytes(self) -> int:
+        """Bytes one rank hands to the two collectives per step (the whole alltoall buffer, its own block included,
+        and its kept payload): what each framework adds to the tensor's ``bytes_sent``, so stats() agree."""
+        return self.alltoall_nbytes + self.kept.nbytes
+
 
 # ---- cost model --------------------------------------------------------------------------------------------------
 # Bytes one rank sends over its links per tensor and step (with the ring/pairwise algorithms Horovod's backends use,

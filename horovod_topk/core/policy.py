@@ -98,11 +98,13 @@ class WarmupSchedule:
 
 def warmup_schedule(
     name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int, value_itemsize: int,
-    grad_itemsize: int,
+    grad_itemsize: int, sparse_available: bool = False,
 ) -> Optional[WarmupSchedule]:
-    """The WarmupSchedule of a tensor, or None when it goes dense on every step (k never changes its route)."""
+    """The WarmupSchedule of a tensor, or None when it goes dense on every step (k never changes its route).
+    ``sparse_available`` as for plan_tensor: each step's dense-or-not decision weighs the sparse allreduce too."""
     plans = [plan_tensor(name, numel, is_floating, config, world_size=world_size, step=t,
-                         value_itemsize=value_itemsize, grad_itemsize=grad_itemsize)
+                         value_itemsize=value_itemsize, grad_itemsize=grad_itemsize,
+                         sparse_available=sparse_available)
              for t in range(config.warmup_steps + 1)]
     final = plans[-1].k
     if final is None:

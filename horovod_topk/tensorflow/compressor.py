@@ -32,8 +32,9 @@ from ..core import (
     reduction_scale,
     sample_size,
 )
+from ..core.exchange import SPARSE_ALLREDUCE, choose_exchange
 from ..core.policy import tensor_payload_layout
-from . import encoding, ops
+from . import encoding, ops, sparse_allreduce
 
 __all__ = ["TopKEF"]
 
@@ -68,9 +69,6 @@ class TopKEF(TopKEFBase[Any]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.config.exchange == "sparse_allreduce":
-            raise ValueError("horovod-topk: exchange='sparse_allreduce' is PyTorch-only for now; the TensorFlow "
-                             "TopKEF uses the allgather (exchange='auto' or 'allgather')")
         #: Per tensor name: the residual, momentum-buffer, gradient-level and counter variables (_counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.
@@ -115,7 +113,8 @@ class TopKEF(TopKEFBase[Any]):
         postscale_factor: float,
         process_set: Any,
     ) -> Optional[tf.Tensor]:
-        """The dense reduced gradient, computed from one allgather of Top-K payloads; None to go dense."""
+        """The dense reduced gradient, computed from the Top-K entries of every rank (an allgather or the sparse
+        allreduce, as core.exchange chooses); None to go dense."""
         from horovod.tensorflow.mpi_ops import allgather
 
         world_size = process_set.size()
@@ -128,11 +127,11 @@ class TopKEF(TopKEFBase[Any]):
         # the route is traced once: with a warm-up, the plan after it (its steps are branches, see warmup_schedule)
         plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
                            step=self.config.warmup_steps, value_itemsize=wire_dtype.size,
-                           grad_itemsize=tensor.dtype.size)
+                           grad_itemsize=tensor.dtype.size, sparse_available=True)
         record = self.registry.record(name, pending.shape)
         counters = self._counters(name, record)
         if not record.verified:
-            self._verify(name, record, counters, tensor.dtype, plan.k, process_set)
+            self._verify(name, record, counters, tensor.dtype, plan.k, process_set, plan.exchange)
         dense_nbytes = numel * tensor.dtype.size
         if not plan.compressed:
             pending.route = "dense"
@@ -153,7 +152,8 @@ class TopKEF(TopKEFBase[Any]):
         if not self.config.warmup_steps:
             return tf.reshape(self._topk_reduce(step, plan.k), pending.shape)
         schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
-                                   value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size)
+                                   value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
+                                   sparse_available=True)
         assert schedule is not None  # this step is compressed, hence the last one is
         t = tf.minimum(counters[0], len(schedule.phase) - 1)
         count = tf.gather(tf.constant(schedule.count, tf.int32), t)
@@ -180,6 +180,12 @@ class TopKEF(TopKEFBase[Any]):
             step.tensor, step.residual, k, select_dtype, samples, step.momentum, self.config.momentum)
         if count is not None:
             indices, values, new_residual = ops.keep_largest(indices, values, new_residual, count, finite)
+        # core.exchange's choice for a payload of k entries (a warm-up branch's k is its capacity; dense is decided
+        # by the schedule): the same as plan_tensor's once the warm-up is over
+        exchange, _ = choose_exchange(self.config.exchange, world_size, step.numel, k, step.wire_dtype.size,
+                                      step.tensor.dtype.size, dense_fallback=False, sparse_available=not layout.compact)
+        if exchange == SPARSE_ALLREDUCE:
+            return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, suffix)
         if layout.compact:
             payload, new_residual = encoding.encode(indices, values, new_residual, layout)
         else:
@@ -207,6 +213,24 @@ class TopKEF(TopKEFBase[Any]):
             dense = dense * tf.cast(step.scale, dense.dtype)
         return tf.cast(dense, step.tensor.dtype)
 
+    def _sparse_allreduce(self, step: "_Step", indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor,
+                          new_momentum: Optional[tf.Tensor], finite: tf.Tensor, suffix: str) -> tf.Tensor:
+        """The rest of _topk_reduce under exchange "sparse_allreduce" (horovod_topk.tensorflow.sparse_allreduce):
+        the residual is written after both phases, which put back into it the entries no owner applied."""
+        dense, new_residual, sent_nbytes = sparse_allreduce.reduce(
+            indices, values, new_residual, numel=step.numel, wire_dtype=step.wire_dtype, name=step.name + suffix,
+            process_set=step.process_set)
+        updates = [step.residual.assign(new_residual), step.counters.assign_add(tf.stack([
+            tf.constant(1, tf.int64), tf.constant(sent_nbytes, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
+            1 - tf.cast(finite, tf.int64), step.guarded]))]
+        if step.momentum is not None:
+            updates.append(step.momentum.assign(new_momentum))
+        with tf.control_dependencies(updates):
+            dense = tf.identity(dense)
+        if step.scale != 1.0:
+            dense = dense * tf.cast(step.scale, dense.dtype)
+        return tf.cast(dense, step.tensor.dtype)
+
     def _dense_reduce(self, step: "_Step", op_name: str, prescale_factor: float, postscale_factor: float) -> tf.Tensor:
         """A warm-up step that goes dense: Horovod's own allreduce of the gradient plus what the residual still
         holds (nothing is lost when a tensor changes route), as a flat tensor."""
@@ -226,7 +250,7 @@ class TopKEF(TopKEFBase[Any]):
             return tf.identity(reduced)
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
-                k: Optional[int], process_set: Any) -> None:
+                k: Optional[int], process_set: Any, route: Optional[str] = None) -> None:
         """Check once (at trace time, or on the first eager step) that every rank agrees about this tensor
         (core.consistency), before any of its collectives is built: a disagreement raises RankMismatch on every
         rank instead of a hang. The fingerprint allgather runs eagerly (tf.init_scope), in program order, which
@@ -236,7 +260,7 @@ class TopKEF(TopKEFBase[Any]):
         record.verified = True
         with tf.init_scope():
             step = int(counters.numpy()[0])
-            row = tf.constant([fingerprint(self.config, record.shape, dtype, step, k)], tf.int64)
+            row = tf.constant([fingerprint(self.config, record.shape, dtype, step, k, route)], tf.int64)
             rows = allgather(row, name=check_name(name), ignore_name_scope=True, process_set=process_set).numpy()
         message = mismatch_message(name, rows.tolist())
         if message is not None:

@@ -58,6 +58,8 @@ def test_cost_model_formulas():
     assert dense_nbytes(4, 1000, 4) == 2 * 3 / 4 * 1000 * 4
     assert allgather_exchange_nbytes(8, 100, 4) == 7 * 800
     assert sparse_allreduce_nbytes(8, 1000, 4) == 7 * (138 * 8 + 125 * 8)
+    # what a rank hands to the collectives (its own alltoall block included): 8 blocks of 138, one payload of 125
+    assert SparseAllreduceLayouts(1000, 8, 4).sent_nbytes == 8 * 138 * 8 + 125 * 8
     assert allgather_exchange_nbytes(4, 3, 2) == 3 * 24  # 12 index bytes + 6 value bytes, padded to 24
 
 

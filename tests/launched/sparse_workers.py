@@ -69,3 +69,58 @@ def exchange_disagreement() -> str:
         message = str(error)
     hvd.allreduce(torch.tensor(1.0), name="after.exchange")  # every rank got past its error before any exits
     return message
+
+
+def tf_ef_invariant(ratio: float = 0.05, steps: int = 2) -> Dict[str, object]:
+    """ef_invariant for TensorFlow, with exchange="auto": at P >= 3 core's cost model picks the sparse allreduce for
+    these tensors, which ``sparse`` reports (every compressed tensor's bytes_sent is the sparse allreduce's)."""
+    import math
+    import os
+
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    from horovod_topk.core.exchange import SparseAllreduceLayouts
+    from horovod_topk.tensorflow import TopKEF
+
+    hvd.init()
+    compressor = TopKEF(ratio=ratio, min_numel=0)
+    shapes = [(32, 16, 3, 3), (1000, 16), (5000,)]
+    variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+
+    @tf.function
+    def reduce(grads):
+        with tf.GradientTape() as tape:  # the gradient of sum(v * g) with respect to v is g
+            loss = tf.add_n([tf.reduce_sum(v * g) for v, g in zip(variables, grads)])
+        return hvd.DistributedGradientTape(tape, compression=compressor).gradient(loss, variables)
+
+    def residuals() -> Dict[tuple, np.ndarray]:
+        return {tuple(r.shape): r.residual.numpy().astype(np.float64).copy()
+                for _, r in compressor.registry if r.residual is not None}
+
+    rng = np.random.RandomState(hvd.rank())
+    old = {s: np.zeros(int(np.prod(s))) for s in shapes}
+    errors: List[float] = []
+    same: List[bool] = []
+    applied_counts: List[int] = []
+    for step in range(steps):
+        grads = [rng.randn(*s).astype(np.float32) for s in shapes]
+        out = [o.numpy() for o in reduce([tf.constant(g) for g in grads])]
+        new = residuals()
+        for i, s in enumerate(shapes):
+            applied = out[i].reshape(-1).astype(np.float64) * hvd.size()
+            before = hvd.allreduce(tf.constant(old[s] + grads[i].reshape(-1)), op=hvd.Sum, name=f"tf.before.{i}.{step}")
+            after = hvd.allreduce(tf.constant(new[s]), op=hvd.Sum, name=f"tf.after.{i}.{step}").numpy() + applied
+            errors.append(float(np.abs(after - before.numpy()).max()))
+            rows = hvd.allgather(tf.constant(applied[None]), name=f"tf.applied.{i}.{step}").numpy()
+            same.append(all(np.array_equal(rows[0], row) for row in rows))
+            applied_counts.append(int(np.count_nonzero(applied)))
+        old = new
+    compressor.stats()  # reads the counter variables back into the records
+    sparse = all(
+        r.bytes_sent == r.steps * SparseAllreduceLayouts(math.ceil(ratio * int(np.prod(r.shape))), hvd.size(), 4,
+                                                         int(np.prod(r.shape))).sent_nbytes and r.steps == steps
+        for _, r in compressor.registry if r.residual is not None)
+    return {"errors": errors, "same": same, "applied": applied_counts, "size": hvd.size(), "sparse": sparse}

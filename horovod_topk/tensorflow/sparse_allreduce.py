@@ -1,0 +1,161 @@
+"""The sparse allreduce exchange for TensorFlow (core.exchange): an alltoall to region owners, then an allgather.
+
+The same exchange as horovod_topk/torch/sparse_allreduce.py, with the same bytes on the wire, built from fixed-shape
+TensorFlow ops so that it traces once inside the ``tf.function`` Horovod's tape and optimizers run in:
+
+Phase 1, one ``alltoall``: this rank's k selected entries are bucketed by owner (core.exchange.region_of) into P
+blocks of ``capacity`` entries (index -1 and value 0 in unused slots), each block a core.payload layout. Entries
+beyond a block's capacity go straight back into this rank's residual: they travel on a later step.
+
+Phase 2, one ``allgather``: the owner sums what it received in the residual's dtype (float32, float64 for float64
+gradients), keeps the ceil(k/P) largest sums of its region (non-finite sums first, so a NaN reaches the update as it
+would with a dense allreduce), keeps the rounding of each kept sum to the wire dtype in its own residual, and
+allgathers the kept (index, value) pairs. Every rank builds the same dense sum from them.
+
+Error feedback stays exact: each rank returns to its residual its own sent entries at indices no owner kept, so over
+all ranks, new residuals + applied sum == old residuals + gradients up to float rounding
+(tests/parallel_tf/test_tf_sparse_allreduce.py). Non-finite values never enter a residual.
+
+Unlike the PyTorch exchange, nothing here polls: the graph starts each phase as soon as its inputs exist, and
+Horovod matches the collectives across ranks by name.
+"""
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import tensorflow as tf
+
+from ..core.exchange import HASH_MULTIPLIER, SparseAllreduceLayouts
+from ..core.naming import alltoall_name, owners_allgather_name
+from ..core.payload import PayloadLayout
+from . import ops
+
+__all__ = ["regions", "reduce"]
+
+
+def regions(indices: tf.Tensor, world_size: int) -> tf.Tensor:
+    """core.exchange.region_of on a tensor of indices (int32 result): computed in int64, where index < 2**31
+    keeps every product below 2**63."""
+    hashed = tf.bitwise.bitwise_and(tf.cast(indices, tf.int64) * HASH_MULTIPLIER, 0xFFFFFFFF)
+    return tf.cast(tf.bitwise.right_shift(hashed * world_size, 32), tf.int32)
+
+
+def _add_to_residual(residual: tf.Tensor, indices: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+    """residual[indices] += values for the pairs whose index is >= 0 and whose value is finite (a NaN/Inf in a
+    residual would never be sent nor leave it); the others add nothing."""
+    values = tf.cast(values, residual.dtype)
+    keep = tf.logical_and(indices >= 0, tf.math.is_finite(values))
+    return tf.tensor_scatter_nd_add(residual, tf.where(keep, indices, tf.zeros_like(indices))[:, None],
+                                    tf.where(keep, values, tf.zeros_like(values)))
+
+
+def _pack_rows(indices: tf.Tensor, values: tf.Tensor, layout: PayloadLayout) -> tf.Tensor:
+    """(rows, nbytes) uint8: row r is the payload of ``indices[r]`` (int32) and ``values[r]`` at ``layout``'s
+    offsets -- ops.pack, one row per destination, so one alltoall with equal splits carries all of them."""
+    rows = int(indices.shape[0])
+
+    def row_bytes(x: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(tf.bitcast(x, tf.uint8), [rows, -1])
+
+    return tf.concat([
+        row_bytes(tf.cast(indices, tf.int32)),
+        tf.zeros([rows, layout.values_offset - layout.indices_nbytes], tf.uint8),
+        row_bytes(values),
+        tf.zeros([rows, layout.nbytes - layout.values_end], tf.uint8),
+    ], axis=1)
+
+
+def _size_check(received: tf.Tensor, expected: int, message: str) -> tf.Operation:
+    return tf.debugging.assert_equal(tf.size(received), expected, message=message)
+
+
+def reduce(
+    indices: tf.Tensor,
+    values: tf.Tensor,
+    residual: tf.Tensor,
+    *,
+    numel: int,
+    wire_dtype: tf.DType,
+    name: str,
+    process_set: Any,
+) -> Tuple[tf.Tensor, tf.Tensor, int]:
+    """The sum over ranks of every rank's selected entries, as the sparse allreduce applies it.
+
+    ``indices`` (k,) and ``values`` (k,) of ``wire_dtype`` are this rank's selection; ``residual`` is its residual
+    after the selection (the selected entries already removed). Returns (flat dense sum of the applied entries, in
+    the residual's dtype; the residual with the entries this exchange did not apply put back, and the owner's
+    rounding; the bytes this rank handed to the collectives).
+    """
+    from horovod.tensorflow.mpi_ops import allgather, alltoall
+
+    world_size = process_set.size()
+    k = int(indices.shape[0])
+    acc_dtype = residual.dtype
+    layouts = SparseAllreduceLayouts(k, world_size, wire_dtype.size, numel)
+    send, kept = layouts.send, layouts.kept
+    slots = world_size * send.k
+
+    # ---- phase 1: bucket by owner into fixed blocks (stable: within an owner the selection's order is kept, so a
+    # warm-up step's zero-valued padding, sorted last by ops.keep_largest, is what overflows first)
+    indices = tf.cast(indices, tf.int32)
+    owner = regions(indices, world_size)
+    order = tf.argsort(owner, stable=True)
+    owner, indices, values = tf.gather(owner, order), tf.gather(indices, order), tf.gather(values, order)
+    counts = tf.math.bincount(owner, minlength=world_size, maxlength=world_size, dtype=tf.int32)
+    slot = tf.range(k, dtype=tf.int32) - tf.gather(tf.cumsum(counts, exclusive=True), owner)
+    fits = slot < send.k
+    # over a destination's capacity: stays in this rank's residual, sent on a later step
+    residual = _add_to_residual(residual, tf.where(fits, -1, indices), values)
+    position = tf.where(fits, owner * send.k + slot, slots)[:, None]  # slot `slots` collects the overflow, dropped
+    block_indices = tf.tensor_scatter_nd_update(tf.fill([slots + 1], -1), position, indices)[:slots]
+    block_values = tf.tensor_scatter_nd_update(tf.zeros([slots + 1], wire_dtype), position, values)[:slots]
+    blocks = _pack_rows(tf.reshape(block_indices, [world_size, send.k]),
+                        tf.reshape(block_values, [world_size, send.k]), send)
+    received = alltoall(blocks, name=alltoall_name(name), ignore_name_scope=True, process_set=process_set)
+    check = _size_check(received, world_size * send.nbytes, (
+        f"horovod-topk: ranks disagree about tensor {name!r}: the sparse allreduce received another number of bytes "
+        f"than this rank expects ({world_size} x {send.nbytes}, k={k}). Check that every rank uses the same TopKEF "
+        f"configuration and the same model."))
+    with tf.control_dependencies([check]):
+        got_indices, got_values = ops.unpack(tf.reshape(received, [-1]), world_size, send, wire_dtype)
+
+    # ---- the owner: sum per index, keep the largest sums (non-finite first); empty slots sum nothing
+    got_indices = tf.reshape(got_indices, [-1])
+    used = got_indices >= 0
+    got_values = tf.where(used, tf.cast(tf.reshape(got_values, [-1]), acc_dtype), tf.zeros([slots], acc_dtype))
+    _, segment = tf.unique(got_indices, out_idx=tf.int32)
+    sums = tf.math.unsorted_segment_sum(got_values, segment, slots)
+    owned = tf.math.unsorted_segment_max(got_indices, segment, slots)  # empty segments: the lowest int32
+    priority = tf.where(owned >= 0,
+                        tf.where(tf.math.is_finite(sums), tf.abs(sums), tf.fill([slots], tf.constant(float("inf"),
+                                                                                                    acc_dtype))),
+                        tf.fill([slots], tf.constant(-1.0, acc_dtype)))
+    top = tf.math.top_k(priority, min(kept.k, slots), sorted=False).indices
+    valid = tf.gather(priority, top) >= 0
+    kept_indices = tf.where(valid, tf.gather(owned, top), -1)
+    kept_sums = tf.where(valid, tf.gather(sums, top), tf.zeros_like(valid, acc_dtype))
+    if kept.k > slots:  # more kept slots than entries received: the rest stay empty
+        kept_indices = tf.concat([kept_indices, tf.fill([kept.k - slots], -1)], 0)
+        kept_sums = tf.concat([kept_sums, tf.zeros([kept.k - slots], acc_dtype)], 0)
+    kept_values = tf.cast(kept_sums, wire_dtype)
+    # the owner re-sends its sums rounded to the wire dtype: the rounding stays here, in its residual
+    residual = _add_to_residual(residual, kept_indices, kept_sums - tf.cast(kept_values, acc_dtype))
+
+    # ---- phase 2: every rank receives every owner's kept sums and applies the same entries
+    gathered = allgather(ops.pack(kept_indices, kept_values, kept), name=owners_allgather_name(name),
+                         ignore_name_scope=True, process_set=process_set)
+    check = _size_check(gathered, world_size * kept.nbytes, kept.mismatch_message(name, world_size))
+    with tf.control_dependencies([check]):
+        applied_indices, applied_values = ops.unpack(gathered, world_size, kept, wire_dtype)
+    applied_indices = tf.reshape(applied_indices, [-1])
+    applied = applied_indices >= 0
+    safe_indices = tf.where(applied, applied_indices, tf.zeros_like(applied_indices))
+    applied_values = tf.where(applied, tf.cast(tf.reshape(applied_values, [-1]), acc_dtype),
+                              tf.zeros([world_size * kept.k], acc_dtype))
+    dense = tf.math.unsorted_segment_sum(applied_values, safe_indices, numel)
+
+    # this rank's sent entries that no owner kept go back to its residual: nothing is lost
+    hit = tf.math.unsorted_segment_max(tf.cast(applied, tf.int32), safe_indices, numel) > 0
+    dropped = tf.logical_and(fits, tf.logical_not(tf.gather(hit, indices)))
+    residual = _add_to_residual(residual, tf.where(dropped, indices, -1), values)
+    return dense, residual, layouts.sent_nbytes
