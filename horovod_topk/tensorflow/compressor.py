@@ -76,6 +76,8 @@ class TopKEF(TopKEFBase[Any]):
         super().__init__(*args, **kwargs)
         #: The graph side of log_every (None when off: nothing is added to the graph).
         self._telemetry: Optional[GraphTelemetry] = GraphTelemetry(self) if self.config.log_every else None
+        #: Each tensor's reduction op ("average"/"sum") as traced: what an elastic reset rescales by (elastic.py).
+        self._reductions: Dict[str, str] = {}
         if self.config.exchange == "sparse_allreduce":
             raise ValueError("horovod-topk: exchange='sparse_allreduce' is PyTorch-only for now; the TensorFlow "
                              "TopKEF uses the allgather (exchange='auto' or 'allgather')")
@@ -91,6 +93,13 @@ class TopKEF(TopKEFBase[Any]):
         self._momentum_vars: Dict[str, tf.Variable] = self._trackable.momentum
         self._level_vars: Dict[str, tf.Variable] = self._trackable.levels
         self._counter_vars: Dict[str, tf.Variable] = self._trackable.counters
+
+    def elastic_state(self, state: Any) -> Any:
+        """``state`` (``hvd.elastic.TensorFlowKerasState`` or ``TensorFlowState``), made to commit, restore and
+        sync this compressor's residuals too; see horovod_topk.tensorflow.elastic."""
+        from .elastic import track
+
+        return track(state, self)
 
     @property
     def trackable(self) -> tf.Module:
@@ -138,6 +147,7 @@ class TopKEF(TopKEFBase[Any]):
                            step=self.config.warmup_steps, value_itemsize=wire_dtype.size,
                            grad_itemsize=tensor.dtype.size)
         record = self.registry.record(name, pending.shape)
+        record.world_size, self._reductions[name] = world_size, op_name  # traced for this world (elastic.py)
         counters = self._counters(name, record)
         if not record.verified:
             self._verify(name, record, counters, tensor.dtype, plan.k, process_set)
