@@ -17,8 +17,9 @@ The collectives themselves are framework calls behind :class:`Transport`; this m
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Generic, List, Mapping, Optional, Protocol, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Mapping, Optional, Protocol, TypeVar
 
+from .policy import residual_world_factor
 from .registry import STATE_FORMAT
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "redistribution_factor",
     "ObjectCollectives",
     "resolve_compressor",
+    "rescale_to_world",
+    "ElasticCompressorState",
 ]
 
 #: Format tag of a multi-rank checkpoint, so that a single rank's state_dict is not mistaken for one.
@@ -235,3 +238,72 @@ def sync_after_reset(compressor: Any, transport: Transport[Any]) -> None:
         record.steps = steps
     for _, record in compressor.registry:
         record.verified = False
+
+
+def rescale_to_world(state: Dict[str, Any], world_size: int, reductions: Mapping[str, str]) -> bool:
+    """Rescale, in ``state`` (a ``state_dict()``), every residual accumulated under another number of workers to
+    ``world_size``, keeping the mass this rank owes the model (policy.residual_world_factor: P'/P under
+    "average", unchanged under "sum"; ``reductions`` maps tensor names to their op, "average" if absent), and
+    record the new world size. True if anything changed. Momentum buffers are velocities, not owed mass: kept.
+
+    The PyTorch compressor does this on each tensor's next step; a framework whose step is a traced graph (the
+    world size a constant in it) does it here, eagerly, when Horovod elastic resets."""
+    changed = False
+    for name, entry in state["tensors"].items():
+        saved = entry.get("world_size")
+        if saved is None or int(saved) == world_size:
+            continue
+        factor = residual_world_factor(reductions.get(name, "average"), int(saved), world_size)
+        if entry.get("residual") is not None and factor != 1.0:
+            entry["residual"] = entry["residual"] * factor
+        entry["world_size"] = world_size
+        changed = True
+    return changed
+
+
+class ElasticCompressorState:
+    """One compressor's part of a Horovod elastic state: commit keeps a copy of this rank's state, restore puts
+    it back (Horovod rolls model and optimizer back to the same commit), sync -- after every reset -- makes the
+    ranks agree on the step counters (sync_after_reset) and, with ``rescale_on_sync``, rescales this rank's
+    residuals to the new world size (rescale_to_world).
+
+    Residuals are never broadcast: each rank's holds gradient mass only that rank computed, so rank 0's copy on
+    every rank would multiply its mass and drop the others'. A new worker starts with none; a worker that died
+    takes its residual with it. ``transport`` is called anew at each sync (rank and size change across resets);
+    ``reductions`` gives each tensor's op; ``after_sync`` lets a framework push the adopted counters into its own
+    state (TensorFlow variables)."""
+
+    def __init__(
+        self,
+        compressor: Any,
+        transport: Callable[[], Transport[Any]],
+        *,
+        rescale_on_sync: bool = False,
+        reductions: Callable[[], Mapping[str, str]] = lambda: {},
+        after_sync: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.value = compressor
+        self._transport = transport
+        self._rescale_on_sync = rescale_on_sync
+        self._reductions = reductions
+        self._after_sync = after_sync
+        self._saved: Optional[Dict[str, Any]] = None
+        self.save()
+
+    def save(self) -> None:
+        self._saved = self.value.state_dict()
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        """Collective (every rank, eagerly, after a reset): see the class docstring."""
+        transport = self._transport()
+        if self._rescale_on_sync:
+            state = self.value.state_dict()
+            if rescale_to_world(state, transport.size, self._reductions()):
+                self.value.load_state_dict(state)
+        sync_after_reset(self.value, transport)
+        self._after_sync()
+        self.save()

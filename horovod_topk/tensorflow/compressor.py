@@ -35,6 +35,7 @@ from ..core import (
 from ..core.exchange import SPARSE_ALLREDUCE, choose_exchange
 from ..core.policy import tensor_payload_layout
 from . import encoding, ops, sparse_allreduce
+from .telemetry import GraphTelemetry, adapt_writer
 
 __all__ = ["TopKEF"]
 
@@ -65,10 +66,19 @@ class TopKEF(TopKEFBase[Any]):
 
     Residual keys are the names Horovod gives the reduction (the gradient's graph name, or ``grad_<i>`` with
     ``use_generic_names``): the same program gives the same keys on every rank and every run.
+
+    ``TopKEF(log_every=N, summary_writer=w)`` reports every N steps like PyTorch (core.telemetry); ``w`` has
+    ``add_scalar(tag, value, step)`` or is a ``tf.summary.SummaryWriter`` (see horovod_topk.tensorflow.telemetry).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "summary_writer" in kwargs:
+            kwargs["summary_writer"] = adapt_writer(kwargs["summary_writer"])
         super().__init__(*args, **kwargs)
+        #: The graph side of log_every (None when off: nothing is added to the graph).
+        self._telemetry: Optional[GraphTelemetry] = GraphTelemetry(self) if self.config.log_every else None
+        #: Each tensor's reduction op ("average"/"sum") as traced: what an elastic reset rescales by (elastic.py).
+        self._reductions: Dict[str, str] = {}
         #: Per tensor name: the residual, momentum-buffer, gradient-level and counter variables (_counter_values).
         # Kept in the dicts of a tf.Module so that tf.train.Checkpoint can save them (see ``trackable``); adding
         # through these tracked dicts is what lets a restore reach variables created after it.
@@ -81,6 +91,13 @@ class TopKEF(TopKEFBase[Any]):
         self._momentum_vars: Dict[str, tf.Variable] = self._trackable.momentum
         self._level_vars: Dict[str, tf.Variable] = self._trackable.levels
         self._counter_vars: Dict[str, tf.Variable] = self._trackable.counters
+
+    def elastic_state(self, state: Any) -> Any:
+        """``state`` (``hvd.elastic.TensorFlowKerasState`` or ``TensorFlowState``), made to commit, restore and
+        sync this compressor's residuals too; see horovod_topk.tensorflow.elastic."""
+        from .elastic import track
+
+        return track(state, self)
 
     @property
     def trackable(self) -> tf.Module:
@@ -129,14 +146,20 @@ class TopKEF(TopKEFBase[Any]):
                            step=self.config.warmup_steps, value_itemsize=wire_dtype.size,
                            grad_itemsize=tensor.dtype.size, sparse_available=True)
         record = self.registry.record(name, pending.shape)
+        record.world_size, self._reductions[name] = world_size, op_name  # traced for this world (elastic.py)
         counters = self._counters(name, record)
         if not record.verified:
             self._verify(name, record, counters, tensor.dtype, plan.k, process_set, plan.exchange)
+        # log_every: this tensor's counter updates below run after the telemetry gate (snapshot, report)
+        gate = [self._telemetry.gate(name, counters, process_set.rank)] if self._telemetry is not None else []
         dense_nbytes = numel * tensor.dtype.size
         if not plan.compressed:
             pending.route = "dense"
-            counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes, 0, 0], tf.int64))
+            with tf.control_dependencies(gate):
+                counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes, 0, 0], tf.int64))
             return None
+        with tf.control_dependencies(gate):
+            tensor = tf.identity(tensor)
 
         pending.route = "topk"
         assert plan.k is not None
@@ -176,6 +199,7 @@ class TopKEF(TopKEFBase[Any]):
         layout = tensor_payload_layout(self.config, k, step.numel, step.wire_dtype.size)
         # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
         select_dtype = step.residual.dtype if layout.scaled else step.wire_dtype
+        started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
         indices, values, new_residual, new_momentum, finite = ops.error_feedback_step(
             step.tensor, step.residual, k, select_dtype, samples, step.momentum, self.config.momentum)
         if count is not None:
@@ -190,6 +214,8 @@ class TopKEF(TopKEFBase[Any]):
             payload, new_residual = encoding.encode(indices, values, new_residual, layout)
         else:
             payload = ops.pack(indices, values, layout)
+        if started is not None:
+            payload = self._telemetry.timed(step.name, started, payload)
         updates = [step.residual.assign(new_residual)]
         if step.momentum is not None:
             updates.append(step.momentum.assign(new_momentum))
@@ -333,9 +359,14 @@ class TopKEF(TopKEFBase[Any]):
                  record.guarded_steps) = (int(v) for v in var.numpy())
                 if name in self._level_vars:
                     record.gradient_level = float(self._level_vars[name].numpy())
+                seconds = self._telemetry.compress_seconds(name) if self._telemetry is not None else None
+                if seconds is not None:
+                    record.compress_seconds = seconds
 
     def _after_load(self) -> None:
         buffers = ((self._residual_vars, "residual"), (self._momentum_vars, "momentum"))
+        if self._telemetry is not None:
+            self._telemetry.zero()
         for name in set(self._counter_vars) - set(self.registry.records):  # not in the loaded state: start over
             for var in self._variables_of(name):
                 var.assign(tf.zeros_like(var))
@@ -356,6 +387,8 @@ class TopKEF(TopKEFBase[Any]):
 
     def reset(self) -> None:
         super().reset()
+        if self._telemetry is not None:
+            self._telemetry.zero()
         for name in self._counter_vars:
             for var in self._variables_of(name):
                 var.assign(tf.zeros_like(var))
