@@ -9,15 +9,38 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["load"]
+__all__ = ["load", "remove_stale_lock"]
+
+#: A build lock older than this was left by a process killed while compiling (one compile takes about a minute
+#: here): torch's builder would wait on it forever, so every later training job would hang in its first step.
+STALE_LOCK_SECONDS = 15 * 60
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "topk_kernels.cpp")
 _module: Optional[ModuleType] = None
 _failed = False
+
+
+def remove_stale_lock(build_dir: str, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age`` seconds; True when one was removed."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return False
+    if age <= max_age:
+        return False
+    try:
+        os.remove(lock)
+    except OSError:
+        return False
+    warnings.warn(f"horovod-topk: removed a build lock {age / 60:.0f} minutes old ({lock}), left by a process "
+                  f"killed while compiling the kernels", stacklevel=3)
+    return True
 
 
 def load(verbose: bool = False) -> Optional[ModuleType]:
@@ -30,8 +53,9 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
-        from torch.utils.cpp_extension import load as build
+        from torch.utils.cpp_extension import _get_build_directory, load as build
 
+        remove_stale_lock(_get_build_directory("horovod_topk_kernels", verbose=False))
         _module = build(name="horovod_topk_kernels", sources=[_SOURCE], extra_cflags=["-O3"], verbose=verbose)
     except Exception as exc:  # no compiler, no ninja, read-only cache...: fall back, loudly
         _failed = True

@@ -232,3 +232,22 @@ def test_the_reference_path_handles_nonfinite_entries_like_the_kernel(bad):
     assert torch.equal(residual, untouched)
     few = ops.compensate_nonfinite(grad, residual, 1, torch.float32)
     assert few[0].tolist() == [17]
+
+
+def test_a_build_lock_left_by_a_killed_compile_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+    import warnings
+
+    from horovod_topk.torch.kernels import STALE_LOCK_SECONDS, remove_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not remove_stale_lock(str(tmp_path)) and lock.exists()  # a compile may be running: wait for it
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert remove_stale_lock(str(tmp_path))
+    assert not lock.exists() and "build lock" in str(caught[0].message)
+    assert not remove_stale_lock(str(tmp_path))  # nothing there: nothing to do
