@@ -56,7 +56,8 @@ def test_warmup_momentum_and_spike_guard_are_accepted():
     assert TopKEF(warmup_steps=10, momentum=0.9, spike_guard=3.0).config.momentum == 0.9
 
 
-def test_sparse_allreduce_is_refused_as_pytorch_only():
-    with pytest.raises(ValueError, match="sparse_allreduce' is PyTorch-only"):
-        TopKEF(exchange="sparse_allreduce")
+def test_sparse_allreduce_is_accepted_and_refused_only_with_the_compact_encoding():
+    assert TopKEF(exchange="sparse_allreduce").config.exchange == "sparse_allreduce"
     assert TopKEF(exchange="allgather").config.exchange == "allgather"
+    with pytest.raises(ValueError, match="sparse_allreduce"):
+        TopKEF(exchange="sparse_allreduce", index_bits=16)
