@@ -1,33 +1,15 @@
 """Horovod elastic with the TensorFlow TopKEF tracked by a TensorFlowKerasState: a worker joins, then one is killed
 mid-run (horovodrun --gloo in elastic mode on this machine, as test_elastic.py)."""
-import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from .launch import run_elastic_job
 
 
 @pytest.fixture(scope="module")
 def events(tmp_path_factory):
-    d = tmp_path_factory.mktemp("elastic_tf")
-    hosts, log = d / "hosts", d / "log.jsonl"
-    hosts.write_text("localhost:1\n")
-    discover = d / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    result = subprocess.run(
-        [horovodrun, "-np", "1", "--min-np", "1", "--max-np", "2", "--network-interfaces", "lo",
-         "--host-discovery-script", str(discover), "--gloo",
-         sys.executable, os.path.join(HERE, "elastic_job_tf.py"), str(hosts), str(log), "127.0.0.1"],
-        capture_output=True, text=True, timeout=400, cwd=os.path.dirname(os.path.dirname(HERE)),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    return run_elastic_job("elastic_job_tf.py", tmp_path_factory.mktemp("elastic_tf"), timeout=400)
 
 
 def test_the_job_survives_a_join_and_a_killed_worker_with_identical_updates(events):
