@@ -77,31 +77,18 @@ def restore_state(
     core.restore_state(core.resolve_compressor(compressor), checkpoint, _TorchTransport(), root_rank, reduction)
 
 
-class ElasticStateHandler:
+class ElasticStateHandler(core.ElasticCompressorState):
     """Horovod elastic handler for a TopKEF object given to ``hvd.elastic.TorchState(..., compression=topk)``.
 
     commit (save): keep a copy of this rank's state; restore (after a failure): load that copy back, matching the
     model and optimizer, which Horovod rolls back to the same commit; sync (after a reset): adopt the step counters
-    of a rank that has state (a new worker has none). Residuals are never broadcast -- each rank's is its own --
-    and each rank rescales its own when it first sees the new world size, keeping the mass it owes the model
-    (policy.residual_world_factor); a worker that died takes its residual with it.
+    of a rank that has state (a new worker has none). The semantics are core's ElasticCompressorState (shared with
+    TensorFlow); PyTorch needs no rescale at sync: each rank rescales its own residual when it first sees the new
+    world size (policy.residual_world_factor), because nothing here is traced for a fixed world size.
     """
 
     def __init__(self, compressor: Any) -> None:
-        self.value = compressor
-        self._saved: Optional[Dict[str, Any]] = None
-        self.save()
-
-    def save(self) -> None:
-        self._saved = self.value.state_dict()
-
-    def restore(self) -> None:
-        if self._saved is not None:
-            self.value.load_state_dict(self._saved)
-
-    def sync(self) -> None:
-        core.sync_after_reset(self.value, _TorchTransport())
-        self.save()
+        super().__init__(compressor, _TorchTransport)
 
     def set_value(self, value: Any) -> None:
         self.value = value
