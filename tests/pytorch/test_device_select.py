@@ -211,6 +211,29 @@ def test_no_host_synchronisation_on_cuda(momentum):
     assert torch.equal(residual.cpu(), cpu_residual)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["gaussian", "heavy_tailed", "misleading_sample", "tiny_range"])
+@pytest.mark.parametrize("n,k", [(1 << 20, 10_486), (10_000, 100), (4099, 41), (33, 1)])
+def test_cuda_selects_what_the_reference_selects_on_the_cpu(kind, n, k):
+    """The GPU run of the device path against its own CPU run (bit for bit, ties included: both take the lowest
+    indices among equals) and, where there are no ties, against the reference, over several steps (the residual
+    carries over, so later steps select among accumulated entries)."""
+    gen = torch.Generator().manual_seed(n + k)
+    r_ref, r_cpu = torch.zeros(n), torch.zeros(n)
+    r_gpu = r_cpu.cuda()
+    for _ in range(3):
+        grad = gradients(kind, n, gen)
+        i_cpu, v_cpu, bad_cpu = device_select.compensate_and_select(grad.clone(), r_cpu, k, torch.float32)
+        i_dev, v_dev, bad_dev = device_select.compensate_and_select(grad.cuda(), r_gpu, k, torch.float32)
+        assert int(bad_dev) == int(bad_cpu) == 0
+        assert torch.equal(i_dev.cpu(), i_cpu)
+        assert torch.equal(v_dev.cpu().view(torch.int32), v_cpu.view(torch.int32))
+        assert torch.equal(r_gpu.cpu(), r_cpu)
+        if kind != "tiny_range":  # ties: torch.topk's choice among equals is its own
+            i_ref, _, _ = reference_step(grad.clone(), r_ref, k, torch.float32)
+            assert torch.equal(i_cpu, i_ref)
+
+
 def test_the_device_benchmark_runs_with_torch_alone():
     """scripts/bench_compress.py --device, as on a GPU machine without Horovod (here on the CPU, tiny sizes)."""
     import subprocess
