@@ -182,21 +182,36 @@ class Timer:
         return best
 
 
+def _triton_select():
+    """The grouped Triton path, or None where Triton is not installed."""
+    try:
+        from horovod_topk.torch import triton_select
+    except ImportError:
+        return None
+    return triton_select
+
+
 def device_main(args: argparse.Namespace) -> None:
-    """The device selection path (torch/device_select.py) with torch alone, no Horovod: per model and ratio,
-    compress and decompress (P=2 payloads) of every tensor, one elementwise pass, torch.topk, and the reference
-    compress (torch.topk plus its host check for non-finite entries)."""
+    """The device selection paths with torch alone, no Horovod: per model and ratio, compress and decompress
+    (P=2 payloads) of every tensor by device_select (tensor by tensor) and by the grouped Triton path (all the
+    model's tensors as one group: the gradients are concatenated and the result copied back into them, both
+    counted), one elementwise pass, torch.topk, and the reference compress (torch.topk plus its host check for
+    non-finite entries)."""
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     timer = Timer(device, args.repeat)
     backend, reference = selection.DeviceBackend(), selection.ReferenceBackend()
+    # Triton kernels run on a GPU, or on the CPU only under Triton's interpreter (slow; for checking the script)
+    grouped = _triton_select() if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else None
     print(f"# torch {torch.__version__}, device {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{os.cpu_count()} cores, 1 thread'})"
-          f", sizes / {args.shrink}, best of {args.repeat}; times in ms")
-    print("| model | ratio | elements | elementwise | torch.topk | compress device | decompress device "
-          "| compress reference | device (c+d) / elementwise | torch.topk / device compress |")
-    print("|" + "---|" * 10)
+          f", sizes / {args.shrink}, best of {args.repeat}; times in ms"
+          + ("" if grouped else "; Triton not installed: no grouped columns"))
+    print("| model | ratio | elements | tensors | elementwise | torch.topk | compress device | decompress device "
+          "| compress grouped | decompress grouped | compress reference | grouped (c+d) | grouped (c+d) / elementwise "
+          "| torch.topk / grouped compress | torch.topk / device compress |")
+    print("|" + "---|" * 15)
     for name in args.models or DEVICE_MODELS:
         numels = [max(1, math.prod(shape) // args.shrink) for shape in MODELS[name]()]
         gen = torch.Generator(device=device).manual_seed(0)
@@ -221,10 +236,32 @@ def device_main(args: argparse.Namespace) -> None:
             t["d_device"] = timer(lambda: [backend.decompress(buf, WORLD, lay, torch.float32, 1.0 / WORLD, s)
                                            for buf, lay, s in zip(gathered, layouts, scratch)])
             t["c_reference"] = timer(lambda: compress(reference))
-            print(f"| {name} | {ratio:g} | {sum(numels):,} | {t['elementwise']:.2f} | {t['topk']:.2f} | "
-                  f"{t['c_device']:.2f} | {t['d_device']:.2f} | {t['c_reference']:.2f} | "
-                  f"{(t['c_device'] + t['d_device']) / t['elementwise']:.1f}x | "
-                  f"{t['topk'] / t['c_device']:.2f}x |", flush=True)
+            if grouped is not None:
+                group = grouped.GroupLayout(tuple(numels), tuple(layouts), device)
+                flat_residual = torch.zeros(group.numel, device=device)
+                flat_out = torch.empty(group.numel, device=device)
+                pieces = list(flat_out.split(list(numels)))
+                buffers: List[torch.Tensor] = []
+
+                def compress_grouped() -> None:
+                    buffers[:] = [grouped.compensate_and_select(torch.cat(grads), flat_residual, group,
+                                                                torch.float32)[0]]
+
+                def decompress_grouped() -> None:
+                    grouped.accumulate([buffers[0], buffers[0]], group, torch.float32, 1.0 / WORLD, flat_out)
+                    torch._foreach_copy_(scratch, pieces)
+
+                t["c_grouped"] = timer(compress_grouped)
+                t["d_grouped"] = timer(decompress_grouped)
+            cells = [f"{t['elementwise']:.2f}", f"{t['topk']:.2f}", f"{t['c_device']:.2f}", f"{t['d_device']:.2f}"]
+            if grouped is not None:
+                both = t["c_grouped"] + t["d_grouped"]
+                cells += [f"{t['c_grouped']:.3f}", f"{t['d_grouped']:.3f}", f"{t['c_reference']:.2f}", f"{both:.3f}",
+                          f"{both / t['elementwise']:.1f}x", f"{t['topk'] / t['c_grouped']:.1f}x"]
+            else:
+                cells += ["-", "-", f"{t['c_reference']:.2f}", "-", "-", "-"]
+            cells.append(f"{t['topk'] / t['c_device']:.2f}x")
+            print(f"| {name} | {ratio:g} | {sum(numels):,} | {len(numels)} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:

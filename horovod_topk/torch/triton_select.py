@@ -1,0 +1,344 @@
+"""Error-feedback Top-K for a whole group of float32 tensors at once, in a handful of Triton kernels.
+
+Why a second device path: device_select does one tensor with ~170 small torch ops. Measured on an H100
+(scripts/bench_compress.py --device cuda, torch 2.11): ResNet-50's 54 weight tensors take 62.5 ms to compress
+that way, 13x *slower* than ``torch.topk`` over the same tensors (4.9 ms), because the host spends ~7 us
+launching each of ~9,000 small kernels; even one 25M tensor takes 3.2 ms. What costs on a GPU is the number of
+launches and of passes over memory, so this path does the same exact selection for all the tensors of a group in
+~10 launches, whatever their number, and reads each element about five times:
+
+1. ``_compensate_kernel``: residual += gradient at the finite entries (the non-finite rule), counts non-finite
+   entries per tensor, and the histogram of the top 11 magnitude bits per tensor (one pass, residual written).
+2. ``_choose_kernel`` per tensor: the bucket that holds the k-th largest magnitude, from the histogram counted
+   from the top; the prefix (the magnitude bits found so far) and the rank still wanted stay on the device.
+3. ``_histogram_kernel`` twice more (next 11 bits, last 9 bits) among the entries that share the prefix, each
+   followed by ``_choose_kernel``: after three rounds the prefix *is* the k-th largest magnitude's bits, exactly,
+   and the rank left is how many entries equal to it are wanted (ties: the lowest indices, as device_select).
+4. ``_count_kernel``: per block of entries, how many are above the k-th and how many equal it; an exclusive scan
+   of those counts (torch, over the ~n/4096 blocks) gives each block where its entries go.
+5. ``_write_kernel``: every selected entry is written straight to its place in its tensor's payload (ascending
+   indices, as the other paths send them), its value rounded to the wire dtype, and that rounding left in the
+   residual. A tensor whose gradient had NaN/Inf instead sends its first k non-finite entries (the first one
+   repeated in the slots left: ``_repeat_first_kernel``) and keeps its residual, as ops.compensate_nonfinite.
+
+Blocks never straddle two tensors (a block table built once per group layout, as multi-tensor kernels do), so a
+block's tensor is one load. All payloads of a group live in one uint8 buffer, each at an 8-byte aligned offset,
+in the same plain layout as ``ops.pack``: every tensor's payload is a view of it. Nothing here waits for the
+device: every size is fixed by the layout, and the counts stay on the device.
+
+``accumulate`` is the decompression for the same group: the P gathered payload buffers are added rank after rank
+(one launch per rank, no atomics), so every rank sums in the same order and gets the same bits (an atomic
+``index_add_`` on a GPU adds in whatever order the threads arrive).
+
+The same kernels run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``): that is how CI checks them
+bit for bit against device_select and the reference, and scripts/gpu_check.sh checks them again on a GPU.
+Limits (the caller falls back to device_select, tensor by tensor): float32 gradients and residuals, the plain
+payload layout (32-bit indices, no scale), no DGC momentum buffer, tensors below 2**31 elements.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.payload import ALIGNMENT, PayloadLayout
+
+__all__ = ["GroupLayout", "compensate_and_select", "accumulate", "supports"]
+
+BLOCK = 4096
+_BINS = 2048  # 11 bits per round
+_CHUNK = 1024
+_ROUNDS = ((20, 11), (9, 11), (0, 9))  # (lowest bit, width) of the 31 magnitude bits of a float32
+_WIRE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def supports(grad: torch.Tensor, residual: torch.Tensor, layout: PayloadLayout, wire_dtype: torch.dtype,
+             momentum_buffer: object) -> bool:
+    """Whether this path can do a tensor (else device_select does it)."""
+    return (grad.dtype == torch.float32 and residual.dtype == torch.float32 and not layout.compact
+            and wire_dtype in _WIRE and momentum_buffer is None and grad.numel() < (1 << 31))
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to ``dtype`` to nearest even, as torch's ``.to(dtype)``. bfloat16 is rounded by hand:
+    the GPU's conversion does round to nearest even, Triton's interpreter truncates, and the two must agree."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        upper = tl.where(x != x, 0x7FC0, upper)  # NaN: torch's canonical bfloat16 NaN
+        return upper.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    seg = tl.load(block_seg_ptr + b)
+    offs = tl.load(block_start_ptr + b) + tl.arange(0, BLOCK)
+    return b, seg, offs, offs < tl.load(seg_end_ptr + seg)
+
+
+@triton.jit
+def _add_histogram(hist_ptr, seg, bucket, in_bucket, BINS: tl.constexpr):
+    """Adds this block's counts of ``bucket`` (where ``in_bucket``) to the tensor's row of the histogram: counted
+    in the block first (entries left out go to sink bins above BINS), then one atomic add per non-empty bin."""
+    counts = tl.histogram(tl.where(in_bucket, bucket, BINS), 2 * BINS)
+    bins = tl.arange(0, 2 * BINS)
+    tl.atomic_add(hist_ptr + seg * BINS + bins, counts, mask=(bins < BINS) & (counts > 0))
+
+
+@triton.jit
+def _compensate_kernel(grad_ptr, resid_ptr, block_seg_ptr, block_start_ptr, seg_end_ptr, hist_ptr, bad_ptr,
+                       BLOCK: tl.constexpr, LOW: tl.constexpr, BINS: tl.constexpr):
+    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
+    g = tl.load(grad_ptr + offs, mask=inside, other=0.0)
+    r = tl.load(resid_ptr + offs, mask=inside, other=0.0)
+    finite = (g == g) & (tl.abs(g) != float("inf"))
+    r = r + tl.where(finite, g, 0.0)
+    tl.store(resid_ptr + offs, r, mask=inside)
+    bad = tl.sum((inside & ~finite).to(tl.int32), axis=0)
+    tl.atomic_add(bad_ptr + seg, bad, mask=bad > 0)
+    key = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    _add_histogram(hist_ptr, seg, key >> LOW, inside, BINS)
+
+
+@triton.jit
+def _histogram_kernel(resid_ptr, block_seg_ptr, block_start_ptr, seg_end_ptr, prefix_ptr, hist_ptr,
+                      BLOCK: tl.constexpr, LOW: tl.constexpr, WIDTH: tl.constexpr, BINS: tl.constexpr):
+    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
+    key = tl.load(resid_ptr + offs, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    shares_prefix = inside & ((key >> (LOW + WIDTH)) == tl.load(prefix_ptr + seg))
+    _add_histogram(hist_ptr, seg, (key >> LOW) & ((1 << WIDTH) - 1), shares_prefix, BINS)
+
+
+@triton.jit
+def _choose_kernel(hist_ptr, remaining_ptr, prefix_ptr, WIDTH: tl.constexpr, BINS: tl.constexpr):
+    """One program per tensor: the bucket holding the entry of rank ``remaining`` counted from the largest; the
+    rank within that bucket replaces ``remaining``, the bucket's bits are appended to ``prefix``, and the
+    histogram row is zeroed for the next round."""
+    seg = tl.program_id(0)
+    j = tl.arange(0, BINS)
+    row = hist_ptr + seg * BINS
+    from_top = tl.load(row + (BINS - 1 - j))  # bucket BINS-1-j
+    at_or_above = tl.cumsum(from_top, axis=0)
+    remaining = tl.load(remaining_ptr + seg)
+    steps = tl.sum((at_or_above < remaining).to(tl.int32), axis=0)
+    above = tl.sum(tl.where(j < steps, from_top, 0), axis=0)
+    tl.store(remaining_ptr + seg, remaining - above)
+    tl.store(prefix_ptr + seg, (tl.load(prefix_ptr + seg) << WIDTH) | (BINS - 1 - steps))
+    tl.store(row + j, tl.zeros_like(from_top))
+
+
+@triton.jit
+def _selected(resid_ptr, grad_ptr, seg, offs, inside, kth_ptr, bad_ptr):
+    """(first, tie, bad): the entries sent before any tie (above the k-th magnitude; for a tensor with NaN/Inf,
+    its non-finite gradient entries), the entries equal to the k-th, and whether the tensor is non-finite."""
+    bad = tl.load(bad_ptr + seg) > 0
+    key = tl.load(resid_ptr + offs, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    kth = tl.load(kth_ptr + seg)
+    g = tl.load(grad_ptr + offs, mask=inside & bad, other=0.0)  # read only for a non-finite tensor
+    nonfinite = inside & bad & ~((g == g) & (tl.abs(g) != float("inf")))
+    first = tl.where(bad, nonfinite, inside & (key > kth))
+    tie = inside & ~bad & (key == kth)
+    return first, tie, bad
+
+
+@triton.jit
+def _count_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_end_ptr, kth_ptr, bad_ptr, counts_ptr,
+                  BLOCK: tl.constexpr):
+    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
+    first, tie, bad = _selected(resid_ptr, grad_ptr, seg, offs, inside, kth_ptr, bad_ptr)
+    tl.store(counts_ptr + 2 * b, tl.sum(first.to(tl.int32), axis=0))
+    tl.store(counts_ptr + 2 * b + 1, tl.sum(tie.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _write_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_start_ptr, seg_end_ptr, kth_ptr,
+                  bad_ptr, wanted_ptr, k_ptr, before_ptr, index_ptr, index_at_ptr, value_ptr, value_at_ptr,
+                  BLOCK: tl.constexpr):
+    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
+    first, tie, bad = _selected(resid_ptr, grad_ptr, seg, offs, inside, kth_ptr, bad_ptr)
+    first_i, tie_i = first.to(tl.int32), tie.to(tl.int32)
+    first_rank = tl.load(before_ptr + 2 * b) + tl.cumsum(first_i, axis=0) - first_i
+    tie_rank = tl.load(before_ptr + 2 * b + 1) + tl.cumsum(tie_i, axis=0) - tie_i
+    wanted = tl.load(wanted_ptr + seg)
+    # place in the ascending payload: entries before this one that are sent (all "first", the wanted ties)
+    place = first_rank + tl.minimum(tie_rank, wanted)
+    send = (first & (first_rank < tl.load(k_ptr + seg))) | (tie & (tie_rank < wanted))
+    r = tl.load(resid_ptr + offs, mask=inside, other=0.0)
+    g = tl.load(grad_ptr + offs, mask=inside & bad, other=0.0)
+    value = _round_to(tl.where(bad, g, r), value_ptr.dtype.element_ty)
+    tl.store(index_ptr + tl.load(index_at_ptr + seg) + place, (offs - tl.load(seg_start_ptr + seg)).to(tl.int32),
+             mask=send)
+    tl.store(value_ptr + tl.load(value_at_ptr + seg) + place, value, mask=send)
+    tl.store(resid_ptr + offs, r - value.to(tl.float32), mask=send & ~bad)
+
+
+@triton.jit
+def _repeat_first_kernel(bad_ptr, k_ptr, index_ptr, index_at_ptr, value_ptr, value_at_ptr, CHUNK: tl.constexpr):
+    """A non-finite tensor with fewer than k non-finite entries repeats the first one in the slots left (grid:
+    tensors x chunks of the largest k)."""
+    seg = tl.program_id(0)
+    k = tl.load(k_ptr + seg)
+    bad = tl.load(bad_ptr + seg)
+    slots = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    fill = (bad > 0) & (slots >= bad) & (slots < k)
+    index_row = index_ptr + tl.load(index_at_ptr + seg)
+    value_row = value_ptr + tl.load(value_at_ptr + seg)
+    tl.store(index_row + slots, tl.zeros_like(slots) + tl.load(index_row), mask=fill)
+    tl.store(value_row + slots, tl.zeros_like(slots).to(value_row.dtype.element_ty) + tl.load(value_row), mask=fill)
+
+
+@triton.jit
+def _accumulate_kernel(index_ptr, value_ptr, index_at_ptr, value_at_ptr, block_seg_ptr, block_start_ptr, k_ptr,
+                       seg_start_ptr, out_ptr, scale, BLOCK: tl.constexpr):
+    """out[tensor offset + index] += (value * scale rounded to the wire dtype) for one rank's payloads; within one
+    rank a tensor's indices are distinct, so no two lanes touch the same element."""
+    b = tl.program_id(0)
+    seg = tl.load(block_seg_ptr + b)
+    slots = tl.load(block_start_ptr + b) + tl.arange(0, BLOCK)
+    inside = slots < tl.load(k_ptr + seg)
+    index = tl.load(index_ptr + tl.load(index_at_ptr + seg) + slots, mask=inside, other=0)
+    value = tl.load(value_ptr + tl.load(value_at_ptr + seg) + slots, mask=inside, other=0.0)
+    scaled = _round_to(value.to(tl.float32) * scale, value_ptr.dtype.element_ty).to(tl.float32)
+    at = out_ptr + tl.load(seg_start_ptr + seg) + index
+    tl.store(at, tl.load(at, mask=inside, other=0.0) + scaled, mask=inside)
+
+
+def _blocks(lengths: Sequence[int], block: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Block table: (tensor of each block int32, first position of each block within its tensor int64)."""
+    seg, start = [], []
+    for s, n in enumerate(lengths):
+        count = max(1, math.ceil(n / block))
+        seg += [s] * count
+        start += [i * block for i in range(count)]
+    return (torch.tensor(seg, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int64, device=device))
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Everything about a group of tensors that stays fixed from step to step: sizes, k's, the block tables and
+    where each tensor's payload lies in the group's buffer. Built once per group (it copies a few small tables
+    to the device, the only host-to-device traffic of this path)."""
+
+    numels: Tuple[int, ...]
+    layouts: Tuple[PayloadLayout, ...]
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if len(self.numels) != len(self.layouts) or not self.numels:
+            raise ValueError("horovod-topk: a group needs one payload layout per tensor, and at least one tensor")
+        itemsizes = {lay.value_itemsize for lay in self.layouts}
+        if len(itemsizes) != 1 or any(lay.compact for lay in self.layouts):
+            raise ValueError("horovod-topk: a group's payloads must share one plain layout (32-bit indices)")
+        for n, lay in zip(self.numels, self.layouts):
+            if not 1 <= lay.k <= n:
+                raise ValueError(f"horovod-topk: k={lay.k} is outside 1..{n} for a tensor of {n} elements")
+        dev = self.device
+        starts = [0]
+        for n in self.numels:
+            starts.append(starts[-1] + n)
+        at = [0]
+        for lay in self.layouts:
+            at.append(at[-1] + lay.nbytes)  # every nbytes is a multiple of ALIGNMENT: all offsets stay aligned
+        assert all(a % ALIGNMENT == 0 for a in at)
+        put = object.__setattr__
+        put(self, "value_itemsize", self.layouts[0].value_itemsize)
+        put(self, "numel", starts[-1])
+        put(self, "starts", tuple(starts))
+        put(self, "payload_at", tuple(at))
+        put(self, "nbytes", at[-1])
+        put(self, "seg_start", torch.tensor(starts[:-1], dtype=torch.int64, device=dev))
+        put(self, "seg_end", torch.tensor(starts[1:], dtype=torch.int64, device=dev))
+        put(self, "k", torch.tensor([lay.k for lay in self.layouts], dtype=torch.int64, device=dev))
+        put(self, "index_at", torch.tensor([a // 4 for a in at[:-1]], dtype=torch.int64, device=dev))
+        value_at = [(a + lay.values_offset) // self.value_itemsize for a, lay in zip(at, self.layouts)]
+        put(self, "value_at", torch.tensor(value_at, dtype=torch.int64, device=dev))
+        block_seg, block_start = _blocks(self.numels, BLOCK, dev)
+        put(self, "block_seg", block_seg)
+        put(self, "block_start", block_start + self.seg_start[block_seg.long()])  # global positions
+        first_block = torch.zeros(len(self.numels), dtype=torch.int64, device=dev)
+        first_block[1:] = torch.tensor([max(1, math.ceil(n / BLOCK)) for n in self.numels[:-1]], device=dev).cumsum(0)
+        put(self, "first_block", first_block)
+        entry_seg, entry_start = _blocks([lay.k for lay in self.layouts], BLOCK, dev)
+        put(self, "entry_block_seg", entry_seg)
+        put(self, "entry_block_start", entry_start)
+
+    def payloads(self, buffer: torch.Tensor) -> List[torch.Tensor]:
+        """Each tensor's payload: a view of the group's buffer."""
+        return [buffer[a:a + lay.nbytes] for a, lay in zip(self.payload_at, self.layouts)]
+
+
+def _value_view(buffer: torch.Tensor, group: GroupLayout, wire_dtype: torch.dtype) -> torch.Tensor:
+    if torch.empty(0, dtype=wire_dtype).element_size() != group.value_itemsize:
+        raise ValueError(f"horovod-topk: {wire_dtype} values do not fit payloads of {group.value_itemsize}-byte values")
+    return buffer.view(wire_dtype)
+
+
+def compensate_and_select(
+    grad: torch.Tensor, residual: torch.Tensor, group: GroupLayout, wire_dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Error-feedback Top-K for every tensor of ``group`` at once.
+
+    ``grad`` and ``residual`` are the group's tensors end to end (flat float32, ``group.numel`` elements; the
+    residual updated in place). Returns (the group's payload buffer uint8, ``group.nbytes``; per tensor 1 if its
+    gradient had NaN/Inf entries else 0, an int32 tensor on the device). Per tensor, the same payload bytes and
+    residual as device_select.compensate_and_select + ops.pack.
+    """
+    if grad.dtype != torch.float32 or residual.dtype != torch.float32:
+        raise ValueError(f"horovod-topk: this path takes float32 gradients and residuals, not {grad.dtype}/"
+                         f"{residual.dtype}")
+    if grad.numel() != group.numel or residual.numel() != group.numel:
+        raise ValueError(f"horovod-topk: the group holds {group.numel} elements; got a gradient of {grad.numel()} "
+                         f"and a residual of {residual.numel()}")
+    dev, tensors, blocks = grad.device, len(group.numels), group.block_seg.numel()
+    buffer = torch.zeros(group.nbytes, dtype=torch.uint8, device=dev)  # padding bytes zero, as ops.pack
+    values = _value_view(buffer, group, wire_dtype)
+    hist = torch.zeros(tensors * _BINS, dtype=torch.int32, device=dev)
+    bad = torch.zeros(tensors, dtype=torch.int32, device=dev)
+    prefix = torch.zeros(tensors, dtype=torch.int32, device=dev)
+    remaining = group.k.to(torch.int32)
+    table = (group.block_seg, group.block_start, group.seg_end)
+    low, width = _ROUNDS[0]
+    _compensate_kernel[(blocks,)](grad, residual, *table, hist, bad, BLOCK=BLOCK, LOW=low, BINS=_BINS)
+    _choose_kernel[(tensors,)](hist, remaining, prefix, WIDTH=width, BINS=_BINS)
+    for low, width in _ROUNDS[1:]:
+        _histogram_kernel[(blocks,)](residual, *table, prefix, hist, BLOCK=BLOCK, LOW=low, WIDTH=width, BINS=_BINS)
+        _choose_kernel[(tensors,)](hist, remaining, prefix, WIDTH=width, BINS=_BINS)
+    kth, wanted = prefix, remaining  # the k-th largest magnitude's bits; how many entries equal to it are sent
+    counts = torch.empty(2 * blocks, dtype=torch.int32, device=dev)
+    _count_kernel[(blocks,)](residual, grad, *table, kth, bad, counts, BLOCK=BLOCK)
+    # where each block's entries start within its tensor: an exclusive scan that restarts at every tensor
+    counts = counts.view(blocks, 2).to(torch.int64)
+    before = counts.cumsum(0) - counts
+    before = (before - before.index_select(0, group.first_block).index_select(0, group.block_seg)).to(torch.int32)
+    indices = buffer.view(torch.int32)
+    _write_kernel[(blocks,)](residual, grad, group.block_seg, group.block_start, group.seg_start, group.seg_end, kth,
+                             bad, wanted, group.k, before, indices, group.index_at, values, group.value_at,
+                             BLOCK=BLOCK)
+    chunks = math.ceil(max(lay.k for lay in group.layouts) / _CHUNK)
+    _repeat_first_kernel[(tensors, chunks)](bad, group.k, indices, group.index_at, values, group.value_at,
+                                            CHUNK=_CHUNK)
+    return buffer, (bad > 0).to(torch.int32)
+
+
+def accumulate(gathered: Sequence[torch.Tensor], group: GroupLayout, wire_dtype: torch.dtype, scale: float,
+               out: torch.Tensor) -> None:
+    """``out`` (flat float32, the group end to end) = the sum over ranks, in rank order, of each rank's payload
+    values times ``scale`` (rounded to the wire dtype, as the other paths do) at their indices."""
+    if out.dtype != torch.float32 or out.numel() != group.numel:
+        raise ValueError(f"horovod-topk: the output must be float32 with {group.numel} elements")
+    out.zero_()
+    blocks = group.entry_block_seg.numel()
+    for buffer in gathered:
+        if buffer.numel() != group.nbytes:
+            raise ValueError(f"horovod-topk: a gathered payload buffer has {buffer.numel()} bytes, the group's "
+                             f"layout {group.nbytes}")
+        _accumulate_kernel[(blocks,)](buffer.view(torch.int32), _value_view(buffer, group, wire_dtype),
+                                      group.index_at, group.value_at, group.entry_block_seg,
+                                      group.entry_block_start, group.k, group.seg_start, out, scale, BLOCK=BLOCK)
