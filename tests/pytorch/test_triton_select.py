@@ -72,6 +72,17 @@ def test_a_group_of_many_shapes_matches_tensor_by_tensor():
     check_steps(numels, ks, ["gaussian", "heavy_tailed", "misleading_sample", "tiny_range"])
 
 
+def test_more_k_than_nonzero_entries_sends_the_lowest_zeros():
+    """k above the count of non-zero entries: the rest are ties at zero, the lowest indices go (a frozen or unused
+    part of a layer); the later rounds then count every entry of a block, through the block histogram."""
+    def sparse(step, grads):
+        for g in grads:
+            g.zero_()
+            g[step * 11 + 3::977] = step + 1.0
+
+    check_steps([9000, 5000], [100, 2], ["gaussian"], poison=sparse)
+
+
 @pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
 def test_half_precision_wire_keeps_the_rounding_in_the_residual(wire):
     check_steps([5000, 3000], [50, 300], ["gaussian", "heavy_tailed"], wire=wire)
