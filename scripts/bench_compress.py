@@ -193,25 +193,28 @@ def _triton_select():
 
 def device_main(args: argparse.Namespace) -> None:
     """The device selection paths with torch alone, no Horovod: per model and ratio, compress and decompress
-    (P=2 payloads) of every tensor by device_select (tensor by tensor) and by the grouped Triton path (all the
-    model's tensors as one group: the gradients are concatenated and the result copied back into them, both
-    counted), one elementwise pass, torch.topk, and the reference compress (torch.topk plus its host check for
-    non-finite entries)."""
+    (P=2 payloads) of every tensor one by one, as Horovod's hooks hand them over, by each backend (triton: the
+    Triton kernels per tensor, what CUDA tensors get; device: device_select; reference: torch.topk plus a host
+    check for non-finite entries), and by the grouped Triton path (all the model's tensors as one group: the
+    gradients are concatenated and the result copied back into them, both counted); one elementwise pass and
+    torch.topk alone for scale."""
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     timer = Timer(device, args.repeat)
-    backend, reference = selection.DeviceBackend(), selection.ReferenceBackend()
     # Triton kernels run on a GPU, or on the CPU only under Triton's interpreter (slow; for checking the script)
     grouped = _triton_select() if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else None
+    backends = {"device": selection.DeviceBackend(), "reference": selection.ReferenceBackend()}
+    if grouped is not None:
+        backends["triton"] = selection.TritonBackend(grouped)
     print(f"# torch {torch.__version__}, device {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{os.cpu_count()} cores, 1 thread'})"
           f", sizes / {args.shrink}, best of {args.repeat}; times in ms"
-          + ("" if grouped else "; Triton not installed: no grouped columns"))
-    print("| model | ratio | elements | tensors | elementwise | torch.topk | compress device | decompress device "
-          "| compress grouped | decompress grouped | compress reference | grouped (c+d) | grouped (c+d) / elementwise "
-          "| torch.topk / grouped compress | torch.topk / device compress |")
-    print("|" + "---|" * 15)
+          + ("" if grouped else "; Triton not installed: no triton or grouped columns"))
+    print("| model | ratio | elements | tensors | elementwise | torch.topk | compress triton | decompress triton "
+          "| compress grouped | decompress grouped | compress device | decompress device | compress reference "
+          "| grouped (c+d) | torch.topk / grouped compress | torch.topk / triton compress |")
+    print("|" + "---|" * 16)
     for name in args.models or DEVICE_MODELS:
         numels = [max(1, math.prod(shape) // args.shrink) for shape in MODELS[name]()]
         gen = torch.Generator(device=device).manual_seed(0)
@@ -221,21 +224,21 @@ def device_main(args: argparse.Namespace) -> None:
             layouts = [PayloadLayout(k, 4) for k in ks]
             residuals = [torch.zeros_like(g) for g in grads]
             scratch = [torch.zeros_like(g) for g in grads]
-            payloads: List[torch.Tensor] = [torch.empty(0)] * len(grads)
-
-            def compress(which: selection.Backend) -> None:
-                for i, (g, r, lay) in enumerate(zip(grads, residuals, layouts)):
-                    payloads[i] = which.compress(g, r, None, 0.0, lay, torch.float32, 0, 0)[0]
-
             t = {
                 "elementwise": timer(lambda: [s.add_(g) for s, g in zip(scratch, grads)]),
                 "topk": timer(lambda: [torch.topk(s.abs(), k, sorted=False) for s, k in zip(scratch, ks)]),
-                "c_device": timer(lambda: compress(backend)),
             }
-            gathered = [torch.cat([p, p]) for p in payloads]
-            t["d_device"] = timer(lambda: [backend.decompress(buf, WORLD, lay, torch.float32, 1.0 / WORLD, s)
-                                           for buf, lay, s in zip(gathered, layouts, scratch)])
-            t["c_reference"] = timer(lambda: compress(reference))
+            for label, backend in backends.items():
+                payloads: List[torch.Tensor] = [torch.empty(0)] * len(grads)
+
+                def compress() -> None:
+                    for i, (g, r, lay) in enumerate(zip(grads, residuals, layouts)):
+                        payloads[i] = backend.compress(g, r, None, 0.0, lay, torch.float32, 0, 0)[0]
+
+                t[f"c_{label}"] = timer(compress)
+                gathered = [torch.cat([p, p]) for p in payloads]
+                t[f"d_{label}"] = timer(lambda: [backend.decompress(buf, WORLD, lay, torch.float32, 1.0 / WORLD, s)
+                                                 for buf, lay, s in zip(gathered, layouts, scratch)])
             if grouped is not None:
                 group = grouped.GroupLayout(tuple(numels), tuple(layouts), device)
                 flat_residual = torch.zeros(group.numel, device=device)
@@ -253,14 +256,12 @@ def device_main(args: argparse.Namespace) -> None:
 
                 t["c_grouped"] = timer(compress_grouped)
                 t["d_grouped"] = timer(decompress_grouped)
-            cells = [f"{t['elementwise']:.2f}", f"{t['topk']:.2f}", f"{t['c_device']:.2f}", f"{t['d_device']:.2f}"]
-            if grouped is not None:
-                both = t["c_grouped"] + t["d_grouped"]
-                cells += [f"{t['c_grouped']:.3f}", f"{t['d_grouped']:.3f}", f"{t['c_reference']:.2f}", f"{both:.3f}",
-                          f"{both / t['elementwise']:.1f}x", f"{t['topk'] / t['c_grouped']:.1f}x"]
-            else:
-                cells += ["-", "-", f"{t['c_reference']:.2f}", "-", "-", "-"]
-            cells.append(f"{t['topk'] / t['c_device']:.2f}x")
+            cell = lambda key: f"{t[key]:.3f}" if key in t else "-"  # noqa: E731
+            ratio_of = lambda key: f"{t['topk'] / t[key]:.1f}x" if key in t else "-"  # noqa: E731
+            both = f"{t['c_grouped'] + t['d_grouped']:.3f}" if "c_grouped" in t else "-"
+            cells = [f"{t['elementwise']:.3f}", f"{t['topk']:.3f}", cell("c_triton"), cell("d_triton"),
+                     cell("c_grouped"), cell("d_grouped"), cell("c_device"), cell("d_device"), cell("c_reference"),
+                     both, ratio_of("c_grouped"), ratio_of("c_triton")]
             print(f"| {name} | {ratio:g} | {sum(numels):,} | {len(numels)} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -9,6 +9,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh" || exit 1
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
+# No GPU here: the Triton kernels (horovod_topk/torch/triton_select.py) run under Triton's interpreter. It must be
+# set before anything imports Triton (its own library functions are made for one mode at import).
+export TRITON_INTERPRET=1
 
 reports="$(mktemp -d)"
 trap 'rm -rf "$reports"' EXIT

@@ -32,8 +32,9 @@ device: every size is fixed by the layout, and the counts stay on the device.
 
 The same kernels run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``): that is how CI checks them
 bit for bit against device_select and the reference, and scripts/gpu_check.sh checks them again on a GPU.
-Limits (the caller falls back to device_select, tensor by tensor): float32 gradients and residuals, the plain
-payload layout (32-bit indices, no scale), no DGC momentum buffer, tensors below 2**31 elements.
+Limits (the caller falls back to device_select, tensor by tensor): float32 residuals (gradients in float32,
+float16 or bfloat16), the plain payload layout (32-bit indices, no scale), no DGC momentum buffer, tensors below
+2**31 elements.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ import triton.language as tl
 
 from ..core.payload import ALIGNMENT, PayloadLayout
 
-__all__ = ["GroupLayout", "compensate_and_select", "accumulate", "supports"]
+__all__ = ["GroupLayout", "compensate_and_select", "accumulate", "supports", "WIRE_DTYPES"]
 
 # Tuning, measured on an H100 over ResNet-50's 54 weight tensors at ratio 0.01 (scripts/bench_triton_kernels.py,
 # the kernels alone): placing selected entries costs a scan per program, 0.30 ms with 4096 entries per program,
@@ -61,25 +62,29 @@ WARPS = {"compensate": 8, "histogram": 4, "count": 8, "write": 8}  # warps per p
 _BINS = 256  # 8 bits per round
 _CHUNK = 1024
 _ROUNDS = ((23, 8), (15, 8), (7, 8), (0, 7))  # (lowest bit, width) of the 31 magnitude bits of a float32
-_WIRE = (torch.float32, torch.float16, torch.bfloat16)
+WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def supports(grad: torch.Tensor, residual: torch.Tensor, layout: PayloadLayout, wire_dtype: torch.dtype,
              momentum_buffer: object) -> bool:
     """Whether this path can do a tensor (else device_select does it)."""
-    return (grad.dtype == torch.float32 and residual.dtype == torch.float32 and not layout.compact
-            and wire_dtype in _WIRE and momentum_buffer is None and grad.numel() < (1 << 31))
+    return (grad.dtype in WIRE_DTYPES and residual.dtype == torch.float32 and not layout.compact
+            and wire_dtype in WIRE_DTYPES and momentum_buffer is None and grad.numel() < (1 << 31))
 
 
 @triton.jit
 def _round_to(x, dtype: tl.constexpr):
-    """float32 ``x`` rounded to ``dtype`` to nearest even, as torch's ``.to(dtype)``. bfloat16 is rounded by hand:
-    the GPU's conversion does round to nearest even, Triton's interpreter truncates, and the two must agree."""
+    """float32 ``x`` rounded to ``dtype`` to nearest even, as torch's ``.to(dtype)``, NaN as torch writes it.
+    bfloat16 is rounded by hand: the GPU's conversion does round to nearest even, Triton's interpreter truncates,
+    and the two must agree; NaN bits are set explicitly, since each converter has its own."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        upper = tl.where(x != x, 0x7FC0, upper)  # NaN: torch's canonical bfloat16 NaN
+        upper = tl.where(x != x, 0x7FC0, upper)  # torch's bfloat16 NaN
         return upper.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    if dtype == tl.float16:
+        nan = tl.full(x.shape, 0x7FFF, tl.int16).to(tl.float16, bitcast=True)  # torch's float16 NaN
+        return tl.where(x != x, nan, x.to(tl.float16))
     return x.to(dtype)
 
 
@@ -109,7 +114,7 @@ def _compensate_kernel(grad_ptr, resid_ptr, block_seg_ptr, block_start_ptr, seg_
                        bad_ptr, BLOCK: tl.constexpr, LOW: tl.constexpr, BINS: tl.constexpr):
     b, seg, base, local, inside = _block_of(block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, BLOCK)
     grad_ptr, resid_ptr = grad_ptr + base, resid_ptr + base
-    g = tl.load(grad_ptr + local, mask=inside, other=0.0)
+    g = tl.load(grad_ptr + local, mask=inside, other=0.0).to(tl.float32)  # half precision: exactly
     r = tl.load(resid_ptr + local, mask=inside, other=0.0)
     finite = (g == g) & (tl.abs(g) != float("inf"))
     r = r + tl.where(finite, g, 0.0)
@@ -163,7 +168,7 @@ def _selected(resid_ptr, grad_ptr, seg, local, inside, kth_ptr, bad_ptr):
     bad = tl.load(bad_ptr + seg) > 0
     key = tl.load(resid_ptr + local, mask=inside, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     kth = tl.load(kth_ptr + seg)
-    g = tl.load(grad_ptr + local, mask=inside & bad, other=0.0)  # read only for a non-finite tensor
+    g = tl.load(grad_ptr + local, mask=inside & bad, other=0.0).to(tl.float32)  # read only for a non-finite tensor
     nonfinite = inside & bad & ~((g == g) & (tl.abs(g) != float("inf")))
     first = tl.where(bad, nonfinite, inside & (key > kth))
     tie = inside & ~bad & (key == kth)
@@ -196,7 +201,7 @@ def _write_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_start
     place = first_rank + tl.minimum(tie_rank, wanted)
     send = (first & (first_rank < tl.load(k_ptr + seg))) | (tie & (tie_rank < wanted))
     r = tl.load(resid_ptr + local, mask=inside, other=0.0)
-    g = tl.load(grad_ptr + local, mask=inside & bad, other=0.0)
+    g = tl.load(grad_ptr + local, mask=inside & bad, other=0.0).to(tl.float32)
     value = _round_to(tl.where(bad, g, r), value_ptr.dtype.element_ty)
     tl.store(index_ptr + tl.load(index_at_ptr + seg) + place, local, mask=send)
     tl.store(value_ptr + tl.load(value_at_ptr + seg) + place, value, mask=send)
@@ -311,14 +316,14 @@ def compensate_and_select(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Error-feedback Top-K for every tensor of ``group`` at once.
 
-    ``grad`` and ``residual`` are the group's tensors end to end (flat float32, ``group.numel`` elements; the
-    residual updated in place). Returns (the group's payload buffer uint8, ``group.nbytes``; per tensor 1 if its
-    gradient had NaN/Inf entries else 0, an int32 tensor on the device). Per tensor, the same payload bytes and
+    ``grad`` (float32, float16 or bfloat16) and ``residual`` (float32) are the group's tensors end to end (flat,
+    ``group.numel`` elements; the residual updated in place). Returns (the group's payload buffer uint8,
+    ``group.nbytes``; per tensor 1 if its gradient had NaN/Inf entries else 0, an int64 tensor on the device). Per tensor, the same payload bytes and
     residual as device_select.compensate_and_select + ops.pack.
     """
-    if grad.dtype != torch.float32 or residual.dtype != torch.float32:
-        raise ValueError(f"horovod-topk: this path takes float32 gradients and residuals, not {grad.dtype}/"
-                         f"{residual.dtype}")
+    if grad.dtype not in WIRE_DTYPES or residual.dtype != torch.float32:
+        raise ValueError(f"horovod-topk: this path takes float32/float16/bfloat16 gradients and float32 residuals, "
+                         f"not {grad.dtype}/{residual.dtype}")
     if grad.numel() != group.numel or residual.numel() != group.numel:
         raise ValueError(f"horovod-topk: the group holds {group.numel} elements; got a gradient of {grad.numel()} "
                          f"and a residual of {residual.numel()}")
@@ -354,7 +359,7 @@ def compensate_and_select(
     chunks = math.ceil(max(lay.k for lay in group.layouts) / _CHUNK)
     _repeat_first_kernel[(tensors, chunks)](bad, group.k, indices, group.index_at, values, group.value_at,
                                             CHUNK=_CHUNK)
-    return buffer, (bad > 0).to(torch.int32)
+    return buffer, (bad > 0).to(torch.int64)
 
 
 def accumulate(gathered: Sequence[torch.Tensor], group: GroupLayout, wire_dtype: torch.dtype, scale: float,

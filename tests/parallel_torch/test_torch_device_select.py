@@ -1,5 +1,10 @@
-"""The device selection path on real Horovod workers, forced on the CPU (HOROVOD_TOPK_SELECTION=device): training
-gives the same parameters as the reference path (torch.topk), and non-finite gradients follow the same rule."""
+"""The device selection paths on real Horovod workers, forced on the CPU (HOROVOD_TOPK_SELECTION=device or triton):
+training gives the same parameters as the reference path (torch.topk), and non-finite gradients follow the same
+rule."""
+import importlib.util
+import os
+import sys
+
 import horovod.torch as hvd
 import pytest
 import torch
@@ -12,16 +17,32 @@ from .torch_harness import Net, assert_same_params, batch, differs, train
 SPARSE = dict(ratio=0.05, min_numel=1000)
 
 
+def use_triton_interpreter(monkeypatch):
+    """TRITON_INTERPRET=1 before Triton is first imported (its own library functions are made for the GPU or the
+    interpreter when it is imported), so: checked for with find_spec, not imported."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("Triton was imported before TRITON_INTERPRET=1 was set: run the workers with TRITON_INTERPRET=1 "
+                    "in their environment (scripts/test.sh does)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("backend", ["device", "triton"])
 @pytest.mark.parametrize("options", [{}, {"momentum": 0.9}, {"value_dtype": "float16"}, {"ratio": 0.2}],
                          ids=["plain", "momentum", "fp16_values", "ratio0.2"])
-def test_training_with_the_device_path_matches_the_reference(monkeypatch, options):
+def test_training_with_the_device_path_matches_the_reference(monkeypatch, options, backend):
+    """Both device paths: device_select, and the Triton kernels (here under Triton's interpreter, set before
+    the backend first imports them)."""
+    if backend == "triton":
+        use_triton_interpreter(monkeypatch)
     reference = TopKEF(**{**SPARSE, **options}, selector="exact")
     # TopKEF's momentum replaces the optimizer's (DGC momentum correction)
     opt = {"optimizer_factory": lambda params: torch.optim.SGD(params, lr=0.1)} if options.get("momentum") else {}
     expected = train(reference, steps=5, **opt)
-    monkeypatch.setenv(selection.ENV, "device")
+    monkeypatch.setenv(selection.ENV, backend)
     device = TopKEF(**{**SPARSE, **options}, selector="sampled")
-    assert device._backend(torch.zeros(1)).name == "device"
+    assert device._backend(torch.zeros(1)).name == backend
     ours = train(device, steps=5, **opt)
     initial = train(hvd.Compression.none, steps=0)
     assert_same_params(ours, expected, rtol=0, atol=0)
@@ -33,8 +54,11 @@ def test_training_with_the_device_path_matches_the_reference(monkeypatch, option
         assert torch.equal(device.registry.records[name].residual, reference.registry.records[name].residual)
 
 
-def test_a_nonfinite_gradient_on_one_rank_reaches_every_rank_and_stays_out_of_the_residual(monkeypatch):
-    monkeypatch.setenv(selection.ENV, "device")
+@pytest.mark.parametrize("backend", ["device", "triton"])
+def test_a_nonfinite_gradient_on_one_rank_reaches_every_rank_and_stays_out_of_the_residual(monkeypatch, backend):
+    if backend == "triton":
+        use_triton_interpreter(monkeypatch)
+    monkeypatch.setenv(selection.ENV, backend)
     torch.manual_seed(0)
     model = Net()
     compressor = TopKEF(**SPARSE)

@@ -126,6 +126,8 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="float32"):
         triton_select.compensate_and_select(torch.zeros(150, dtype=torch.float64, device=DEVICE), r, group,
                                             torch.float32)
+    with pytest.raises(ValueError, match="float32 residuals"):
+        triton_select.compensate_and_select(torch.zeros(150, device=DEVICE), r.double(), group, torch.float32)
     with pytest.raises(ValueError, match="150 elements"):
         triton_select.compensate_and_select(torch.zeros(149, device=DEVICE), r, group, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
@@ -160,3 +162,64 @@ def test_large_group_on_cuda_matches_and_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert bad.tolist() == [1, 0, 0, 0]
+
+
+def assert_same_payload(got, want, layout, wire):
+    """The same bytes, except that a NaN may have other payload bits (torch's own float-to-half conversion writes
+    NaN as 0x7E00 or 0x7FFF depending on where in the tensor it falls)."""
+    (gi, gv), (wi, wv) = ops.unpack(got, 1, layout, wire), ops.unpack(want, 1, layout, wire)
+    assert torch.equal(gi, wi)
+    assert torch.equal(gv.isnan(), wv.isnan())
+    zero = torch.zeros((), dtype=wire)
+    no_nan = [torch.where(v.isnan(), zero, v).view(torch.uint8) for v in (gv, wv)]
+    assert torch.equal(*no_nan)
+
+
+@pytest.mark.parametrize("grad_dtype,wire", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                             (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_the_triton_backend_matches_the_device_backend(grad_dtype, wire):
+    """selection.TritonBackend (a tensor as a group of one) against DeviceBackend: the same payloads, flags,
+    residuals and averages, over steps, with a non-finite step in the middle."""
+    triton_backend, device = selection.TritonBackend(triton_select), selection.DeviceBackend()
+    n, world = 7000, 2
+    layout = PayloadLayout(70, WIRES[wire])
+    gen = torch.Generator().manual_seed(1)
+    r_ref, r_got = torch.zeros(n), torch.zeros(n, device=DEVICE)
+    for step in range(3):
+        grad = (torch.randn(n, generator=gen) * 2).to(grad_dtype)
+        if step == 1:
+            grad[17] = float("nan")
+        want, want_bad = device.compress(grad.clone(), r_ref, None, 0.0, layout, wire, 0, step)
+        got, got_bad = triton_backend.compress(grad.to(DEVICE), r_got, None, 0.0, layout, wire, 0, step)
+        assert_same_payload(got.cpu(), want, layout, wire)
+        assert int(got_bad) == int(want_bad) == (step == 1)
+        assert torch.equal(r_got.cpu(), r_ref)
+        for out_dtype in (torch.float32, grad_dtype):  # half precision outputs go to the device backend
+            gathered = torch.cat([want, want])
+            expect = torch.empty(n, dtype=out_dtype)
+            device.decompress(gathered, world, layout, wire, 1.0 / world, expect)
+            out = torch.empty(n, dtype=out_dtype, device=DEVICE)
+            triton_backend.decompress(gathered.to(DEVICE), world, layout, wire, 1.0 / world, out)
+            torch.testing.assert_close(out.cpu(), expect, rtol=0, atol=0, equal_nan=True)  # exact, NaN as NaN
+
+
+def test_the_triton_backend_leaves_momentum_to_device_select():
+    triton_backend, device = selection.TritonBackend(triton_select), selection.DeviceBackend()
+    layout, n = PayloadLayout(30, 4), 3000
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    r_ref, u_ref = torch.zeros(n), torch.zeros(n)
+    r_got, u_got = torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    want, _ = device.compress(grad.clone(), r_ref, u_ref, 0.9, layout, torch.float32, 0, 0)
+    got, _ = triton_backend.compress(grad.to(DEVICE), r_got, u_got, 0.9, layout, torch.float32, 0, 0)
+    assert torch.equal(got.cpu(), want) and torch.equal(u_got.cpu(), u_ref)
+
+
+def test_forcing_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv(selection.ENV, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        selection.backend_for(torch.zeros(4), "sampled")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert selection.backend_for(torch.zeros(4), "exact").name == "triton"
+    monkeypatch.delenv(selection.ENV)
+    assert selection.backend_for(torch.zeros(4, device="meta"), "sampled").name == "device"  # not CUDA
