@@ -3,12 +3,18 @@
 Without a GPU the kernels run under Triton's interpreter (on the CPU, the same kernel code); on a GPU machine
 (scripts/gpu_check.sh) the same tests run on CUDA, plus the host-synchronisation check."""
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, so before the import
+    # Triton makes its kernels (its own library's too) for the GPU or for the interpreter when they are defined,
+    # i.e. at import: once imported without the interpreter, Triton cannot run them on the CPU in this process
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("Triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the "
+                    "environment (scripts/test.sh does)", pytrace=False)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI must have it
 
