@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import math
 import warnings
+from collections import Counter
 from typing import Any, Callable, Dict, Generic, Iterable, Mapping, Optional, Tuple, TypeVar
 
 from .config import TopKConfig
@@ -189,7 +190,8 @@ class TopKEFBase(abc.ABC, Generic[R]):
         ``compression_ratio`` = bytes_dense / bytes_sent; ``residual_norm`` the L2 norm over all residuals;
         ``nonfinite_steps`` how many (tensor, step) pairs had a NaN/Inf gradient here (sent as such, residual kept);
         ``guarded_steps`` how many had their gradient capped by TopKConfig.spike_guard; ``compress_seconds`` the
-        host time spent compressing (since start or load; on a GPU, launching).
+        host time spent compressing (since start or load; on a GPU, launching); ``exchanges`` how many tensors
+        each exchange carried on their last compressed step (what ``exchange="auto"`` chose).
         Combined over every optimizer this object (or the class) was given to (core.scopes).
         """
         self._refresh_counters()
@@ -207,4 +209,5 @@ class TopKEFBase(abc.ABC, Generic[R]):
             "nonfinite_steps": sum(int(r.nonfinite_steps) for _, r in self.registry),
             "guarded_steps": sum(r.guarded_steps for _, r in self.registry),
             "compress_seconds": sum(r.compress_seconds for _, r in self.registry),
+            "exchanges": dict(Counter(r.exchange for _, r in self.registry if r.exchange)),
         }

@@ -163,6 +163,7 @@ class TopKEF(TopKEFBase[Any]):
 
         pending.route = "topk"
         assert plan.k is not None
+        record.exchange = plan.exchange  # (traced once: the exchange of the traced step function)
         state_dtype = ops.residual_dtype(tensor.dtype)
         residual = self._buffer(self._residual_vars, "residual", name, record, numel, state_dtype)
         momentum = self._buffer(self._momentum_vars, "momentum", name, record, numel, state_dtype) \

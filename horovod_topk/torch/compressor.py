@@ -211,6 +211,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         record.compress_seconds += time.perf_counter() - started
         request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
                                   process_set, backend, residual, record)
+        record.exchange = plan.exchange
         return self._exchange(plan.exchange)(request)
 
     def _exchange(self, exchange: str) -> Callable[[ExchangeRequest], Any]:

@@ -3,7 +3,8 @@
 It starts on one host; at step JOIN_STEP it adds a second host to the discovery file (a worker joins); at
 KILL_STEP the worker on the added host dies abruptly (os._exit) once, between two commits (every COMMIT_EVERY
 steps), so the job rolls back and goes on with one worker. Every rank appends one JSON line per step to the log
-(and at each start and reset): world size, step counters, residual norms, parameter checksum.
+(and at each start and reset): world size, step counters, residual norms, parameter checksum. The exchange of
+compressed tensors comes from ELASTIC_JOB_EXCHANGE (default "auto").
 """
 import json
 import os
@@ -22,7 +23,7 @@ hosts_file, log_file, added_host = sys.argv[1:4]
 hvd.init()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
-compressor = TopKEF(ratio=0.02)
+compressor = TopKEF(ratio=0.02, exchange=os.environ.get("ELASTIC_JOB_EXCHANGE", "auto"))
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                named_parameters=model.named_parameters(), compression=compressor)
 state = hvd.elastic.TorchState(model=model, optimizer=opt, compression=compressor, step=0)
@@ -37,6 +38,7 @@ def log(event: str) -> None:
         "world": {n: r.world_size for n, r in records.items()},
         "residual_sq": {n: float(r.residual.double().pow(2).sum()) for n, r in records.items() if r.residual is not None},
         "params": float(sum(p.double().sum() for p in model.parameters())),
+        "exchanges": compressor.stats()["exchanges"],
     }
     with open(log_file, "a") as f:
         f.write(json.dumps(line) + "\n")

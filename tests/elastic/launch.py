@@ -6,12 +6,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_elastic_job(job: str, workdir: Path, timeout: int) -> List[dict]:
+def run_elastic_job(job: str, workdir: Path, timeout: int, env: Optional[Dict[str, str]] = None) -> List[dict]:
     hosts, log = workdir / "hosts", workdir / "log.jsonl"
     hosts.write_text("localhost:1\n")
     discover = workdir / "discover.sh"
@@ -23,6 +23,7 @@ def run_elastic_job(job: str, workdir: Path, timeout: int) -> List[dict]:
          "--host-discovery-script", str(discover), "--gloo",
          sys.executable, os.path.join(HERE, job), str(hosts), str(log), "127.0.0.1"],
         capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(os.path.dirname(HERE)),
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line) for line in log.read_text().splitlines()]

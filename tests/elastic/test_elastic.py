@@ -7,9 +7,14 @@ import pytest
 from .launch import run_elastic_job
 
 
-@pytest.fixture(scope="module")
-def events(tmp_path_factory):
-    return run_elastic_job("elastic_job.py", tmp_path_factory.mktemp("elastic"), timeout=300)
+@pytest.fixture(scope="module", params=["auto", "sparse_allreduce"])
+def events(request, tmp_path_factory):
+    """The same job with each exchange: "auto" (the allgather at these sizes) and the sparse allreduce forced."""
+    events = run_elastic_job("elastic_job.py", tmp_path_factory.mktemp("elastic"), timeout=300,
+                             env={"ELASTIC_JOB_EXCHANGE": request.param})
+    on_two = [e["exchanges"] for e in events if e["event"] == "step" and e["size"] == 2]
+    assert on_two and all(set(x) == {"allgather" if request.param == "auto" else request.param} for x in on_two)
+    return events
 
 
 def test_the_job_survives_a_join_and_a_killed_worker(events):

@@ -40,7 +40,9 @@ def test_ratio_one_matches_plain_horovod(option):
     compressor = TopKEF(ratio=1.0, **SPARSE)
     ours = train_tape(compressor, steps=3, **kwargs)
     assert_same(ours, plain)
-    assert compressor.stats()["tensors_compressed"] == len(COMPRESSED) + (option == "sparse_as_dense")
+    stats = compressor.stats()
+    assert stats["tensors_compressed"] == len(COMPRESSED) + (option == "sparse_as_dense")
+    assert stats["exchanges"] == {"sparse_allreduce": stats["tensors_compressed"]}
     assert _sent_by_sparse_allreduce(compressor, 1.0), "every compressed tensor must take the sparse allreduce"
 
 

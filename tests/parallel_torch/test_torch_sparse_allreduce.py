@@ -31,7 +31,9 @@ def test_ratio_one_matches_plain_horovod(option):
     initial = train(hvd.Compression.none, steps=0, **kwargs)
     assert_same_params(ours, plain)
     assert "fc1.weight" in differs(plain, initial)
-    assert compressor.stats()["tensors_compressed"] >= 8
+    stats = compressor.stats()
+    assert stats["tensors_compressed"] >= 8
+    assert stats["exchanges"] == {"sparse_allreduce": stats["tensors_compressed"]}
 
 
 def test_float16_gradients_match_plain_horovod_at_ratio_one():
