@@ -174,3 +174,24 @@ def test_warmup_schedule_groups_the_warm_up_ks_into_a_few_payload_capacities():
     # dense, then powers of two times the final k up to the dense crossover (k > N/2 on 2 workers): 2 + 6 at most
     assert len(schedule.capacities) <= 2 + 6
     assert warmup_schedule("b", 100, True, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None
+
+
+def test_warmup_schedule_with_the_sparse_allreduce_keeps_large_warm_up_ks_compressed():
+    """On 32 workers an allgather of the warm-up's large k costs more than a dense allreduce, a sparse allreduce
+    does not: with the sparse allreduce available, steps that would go dense stay compressed, with the k that
+    plan_tensor gives them, and the schedule's last step is the same either way."""
+    from horovod_topk.core.policy import plan_tensor, warmup_schedule
+
+    config = TopKConfig(ratio=0.01, warmup_steps=10)
+    args = dict(world_size=32, value_itemsize=4, grad_itemsize=4)
+    plain = warmup_schedule("w", 100_000, True, config, **args)
+    sparse = warmup_schedule("w", 100_000, True, config, **args, sparse_available=True)
+    dense_without = {t for t in range(11) if plain.count[t] == 0}
+    dense_with = {t for t in range(11) if sparse.count[t] == 0}
+    assert dense_with < dense_without and len(dense_without - dense_with) >= 4  # here steps 2-7 (k 39811 to 3982)
+    for t in range(11):
+        plan = plan_tensor("w", 100_000, True, config, step=t, sparse_available=True, **args)
+        assert sparse.count[t] == (plan.k or 0)
+        assert plan.exchange == ("dense" if t in dense_with else "sparse_allreduce")
+        assert plain.count[t] in (0, sparse.count[t])
+    assert sparse.count[-1] == plain.count[-1] == 1000
