@@ -20,6 +20,7 @@ before Triton is first imported in the process): that is how the device paths ar
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Dict, Tuple, Union
@@ -133,7 +134,8 @@ class TritonBackend(Backend):
         if not self._kernels.supports(flat, residual, layout, wire_dtype, momentum_buffer):
             return _DEVICE.compress(flat, residual, momentum_buffer, momentum, layout, wire_dtype, sample_size, step)
         group = self._group(flat.numel(), layout, flat.device)
-        payload, nonfinite = self._kernels.compensate_and_select(flat, residual, group, wire_dtype)
+        with _on(flat.device):  # Triton launches on the current device: make it the tensor's
+            payload, nonfinite = self._kernels.compensate_and_select(flat, residual, group, wire_dtype)
         return payload, nonfinite[0]
 
     def decompress(self, gathered, world_size, layout, value_dtype, scale, out):
@@ -141,7 +143,13 @@ class TritonBackend(Backend):
             _DEVICE.decompress(gathered, world_size, layout, value_dtype, scale, out)
             return
         rows = gathered.view(world_size, layout.nbytes)
-        self._kernels.accumulate(list(rows), self._group(out.numel(), layout, out.device), value_dtype, scale, out)
+        with _on(out.device):
+            self._kernels.accumulate(list(rows), self._group(out.numel(), layout, out.device), value_dtype, scale, out)
+
+
+def _on(device: torch.device) -> Any:
+    """``torch.cuda.device(device)`` for a CUDA device, else nothing (the interpreter runs on the CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 _REFERENCE = ReferenceBackend()
