@@ -135,7 +135,9 @@ class TopKEFBase(abc.ABC, Generic[R]):
         """Bring the registry's counters up to date (TensorFlow keeps them in variables updated in-graph)."""
 
     def _after_load(self) -> None:
-        """Push freshly loaded records into framework state that already exists (TensorFlow variables)."""
+        """Push freshly loaded records into framework state that already exists (TensorFlow variables), and drop
+        reductions still in flight: a loaded state ends any step in progress (Horovod elastic loads the last
+        commit after a failure, and the collectives of the abandoned step died with the old Horovod context)."""
 
     def _static_shape(self, tensor: Any) -> Tuple[Optional[int], ...]:
         return tuple(tensor.shape)

@@ -214,6 +214,10 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         record.exchange = plan.exchange
         return self._exchange(plan.exchange)(request)
 
+    def _after_load(self) -> None:
+        if getattr(self, "_sparse_allreduce", None) is not None:
+            self._sparse_allreduce.abandon_in_flight()
+
     def _exchange(self, exchange: str) -> Callable[[ExchangeRequest], Any]:
         """The function that carries a selected payload under ``exchange`` (core.exchange) and returns its handle."""
         if exchange == "sparse_allreduce":

@@ -129,6 +129,8 @@ class SparseAllreduceHandle:
         # tensors in different orders (Horovod matches collectives by name), and a rank waiting on phase 2 of A
         # while another waits on phase 2 of B, each before starting the other's, would hang.
         self._exchange.start_all_phase2()
+        if self._phase1 is not None:  # a handle its exchange abandoned (a loaded state) still finishes when called
+            self._start_phase2()
         req, kept = self.request, self.layouts.kept
         gathered = synchronize(self._phase2)
         if gathered.numel() != req.world_size * kept.nbytes:
@@ -157,6 +159,11 @@ class SparseAllreduce:
         #: and how many only in synchronize(): how much of the chaining the polling hides.
         self.phase2_started_early = 0
         self.phase2_started_in_synchronize = 0
+
+    def abandon_in_flight(self) -> None:
+        """Forget the handles of a step that will never be synchronized (TopKEF._after_load): polling them later
+        would ask Horovod about handles it no longer has."""
+        self._in_flight = []
 
     def start_all_phase2(self) -> None:
         """Start phase 2 of every handle still waiting for phase 1 (blocking on their phase 1: by the time

@@ -96,6 +96,30 @@ def test_nonfinite_gradient_reaches_every_rank_and_stays_out_of_residuals():
 
 
 
+def test_loading_a_state_forgets_the_reductions_of_an_abandoned_step():
+    """Horovod elastic loads the last commit after a failure; the phase-1 handles of the step that failed belong
+    to the old Horovod context, so the next tensor must not poll them (it did: "Handle ... was not created or has
+    been cleared", found by tests/elastic with the sparse allreduce). Here the step is started, the state loaded,
+    and the next step must find nothing left to poll."""
+    from horovod.torch import optimizer as hvd_optimizer
+
+    compressor = TopKEF(ratio=0.05, min_numel=0, exchange="sparse_allreduce")
+    _invariant_step(compressor, {"a": torch.randn(3000), "b": torch.randn(2000)}, hvd.Average, None)
+    saved = compressor.state_dict()
+    started = []
+    for name in ("a", "b"):  # a step whose phase 1 is started and never synchronized
+        compressed, _ = compressor.compress(torch.randn(3000 if name == "a" else 2000))
+        started.append(hvd_optimizer.allreduce_async_(compressed, name=name, op=hvd.Average))
+    exchange = compressor._sparse_allreduce
+    assert exchange._in_flight, "the second tensor's phase 1 is in flight"
+    compressor.load_state_dict(saved)
+    assert exchange._in_flight == []
+    for handle in started:  # (this test's own collectives still complete, on both ranks alike)
+        hvd_optimizer.synchronize(handle)
+    out = _invariant_step(compressor, {"a": torch.ones(3000), "b": torch.ones(2000)}, hvd.Average, None)
+    assert set(out) == {"a", "b"}
+
+
 def test_process_set():
     my_set = SINGLE_RANK_SETS[hvd.rank()]
     plain = train(hvd.Compression.none, process_set=my_set)
