@@ -30,6 +30,9 @@ METHODS = ["dense", "topk0.01", "topk0.01-warmup"]
 
 
 def worker(args: argparse.Namespace) -> None:
+    # Keras 2 (tf-keras), as Horovod's example was written for: its `opt.variables()` and Horovod's
+    # broadcast_variables on Keras 3 variables do not run (Horovod issue #4290); the graph being timed is the same
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     import tensorflow as tf
     import horovod.tensorflow as hvd
 

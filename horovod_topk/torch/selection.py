@@ -10,8 +10,8 @@ backend's ``compress`` and (through its handle) ``decompress``. Four backends:
                group of one (~20 launches), exact and without host synchronisation; what they do not cover (DGC
                momentum, float64 residuals) goes to device_select.
 ``device``     other accelerators, and CUDA without Triton: device_select, exact and without host
-               synchronisation, but ~170 small launches per tensor: on an H100, ResNet-50's weights took 68 ms
-               this way against 17 ms for the reference and 5 ms for torch.topk alone
+               synchronisation, but ~170 small launches per tensor: on an H100, ResNet-50's weights took 62-92 ms
+               this way across runs, against 16-23 ms for the reference and about 5 ms for torch.topk alone
                (scripts/bench_compress.py --device cuda).
 
 ``HOROVOD_TOPK_SELECTION=device`` (or ``triton``, ``fused``, ``reference``) forces a backend whatever the
