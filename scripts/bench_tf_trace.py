@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "topk0.01", "topk0.01-warmup"]
@@ -100,10 +101,20 @@ def main() -> None:
     cmd = ["horovodrun", "-np", "2", "-H", "localhost:2", sys.executable, str(Path(__file__).resolve()), "--worker",
            "--model", args.model, "--batch", str(args.batch), "--image", str(args.image), "--steps", str(args.steps),
            "--methods", *args.methods]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ}, timeout=3600)
-    m = re.search(r"TRACE (\{.*\})", out.stdout)
-    if out.returncode != 0 or m is None:
-        sys.exit(f"failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    # the workers' output is read as it comes, so that rank 0's line per finished method shows progress
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ})
+    lines: List[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if "first step" in line:
+            print(line.split(">:", 1)[-1].rstrip(), file=sys.stderr, flush=True)
+    returncode = proc.wait()
+    output = "".join(lines)
+    m = re.search(r"TRACE (\{.*\})", output)
+    if returncode != 0 or m is None:
+        sys.exit(f"failed:\n{output[-6000:]}")
     result = json.loads(m.group(1))
     rows = result["rows"]
     print(f"{args.model}, {result['variables']} trainable variables ({result['compressed']} of >= 1024 entries, "
