@@ -109,7 +109,7 @@ def main() -> None:
     for line in proc.stdout:
         lines.append(line)
         if "first step" in line:
-            print(line.split(">:", 1)[-1].rstrip(), file=sys.stderr, flush=True)
+            print(re.sub(r"\[\d+(,\d+)?\]<std(out|err)>:", "", line).rstrip(), file=sys.stderr, flush=True)
     returncode = proc.wait()
     output = "".join(lines)
     m = re.search(r"TRACE (\{.*\})", output)
