@@ -8,7 +8,8 @@ launches and of passes over memory, so this path does the same exact selection f
 ~10 launches, whatever their number, and reads each element about five times:
 
 1. ``_compensate_kernel``: residual += gradient at the finite entries (the non-finite rule), counts non-finite
-   entries per tensor, and the histogram of the top 8 magnitude bits (the exponent) per tensor (one pass, residual written).
+   entries per tensor, and the histogram of the top 8 magnitude bits (the exponent) per tensor (one pass,
+   residual written).
 2. ``_choose_kernel`` per tensor: the bucket that holds the k-th largest magnitude, from the histogram counted
    from the top; the prefix (the magnitude bits found so far) and the rank still wanted stay on the device.
 3. ``_histogram_kernel`` three times more (8, 8 and 7 bits) among the entries that share the prefix, each
@@ -241,14 +242,19 @@ def _accumulate_kernel(index_ptr, value_ptr, index_at_ptr, value_at_ptr, block_s
     tl.store(at, tl.load(at, mask=inside, other=0.0) + scaled, mask=inside)
 
 
-def _blocks(lengths: Sequence[int], block: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Block table: (tensor of each block, first position of each block within its tensor), both int32."""
-    seg, start = [], []
+def _blocks(
+    lengths: Sequence[int], block: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block table: (tensor of each block, first position of each block within its tensor), both int32, and each
+    tensor's first block (int64)."""
+    seg, start, first = [], [], []
     for s, n in enumerate(lengths):
         count = max(1, math.ceil(n / block))
+        first.append(len(seg))
         seg += [s] * count
         start += [i * block for i in range(count)]
-    return (torch.tensor(seg, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int32, device=device))
+    return (torch.tensor(seg, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int32, device=device),
+            torch.tensor(first, dtype=torch.int64, device=device))
 
 
 @dataclass(frozen=True)
@@ -290,13 +296,11 @@ class GroupLayout:
         put(self, "index_at", torch.tensor([a // 4 for a in at[:-1]], dtype=torch.int64, device=dev))
         value_at = [(a + lay.values_offset) // self.value_itemsize for a, lay in zip(at, self.layouts)]
         put(self, "value_at", torch.tensor(value_at, dtype=torch.int64, device=dev))
-        put(self, "blocks", _blocks(self.numels, BLOCK, dev))
-        put(self, "scan_blocks", _blocks(self.numels, SCAN_BLOCK, dev))
-        first_block = torch.zeros(len(self.numels), dtype=torch.int64, device=dev)
-        per_tensor = [max(1, math.ceil(n / SCAN_BLOCK)) for n in self.numels[:-1]]
-        first_block[1:] = torch.tensor(per_tensor, dtype=torch.int64, device=dev).cumsum(0)
-        put(self, "first_scan_block", first_block)
-        entry_seg, entry_start = _blocks([lay.k for lay in self.layouts], BLOCK, dev)
+        put(self, "blocks", _blocks(self.numels, BLOCK, dev)[:2])
+        *scan_blocks, first_scan_block = _blocks(self.numels, SCAN_BLOCK, dev)
+        put(self, "scan_blocks", tuple(scan_blocks))
+        put(self, "first_scan_block", first_scan_block)
+        entry_seg, entry_start, _ = _blocks([lay.k for lay in self.layouts], BLOCK, dev)
         put(self, "entry_block_seg", entry_seg)
         put(self, "entry_block_start", entry_start)
 
@@ -306,7 +310,7 @@ class GroupLayout:
 
 
 def _value_view(buffer: torch.Tensor, group: GroupLayout, wire_dtype: torch.dtype) -> torch.Tensor:
-    if torch.empty(0, dtype=wire_dtype).element_size() != group.value_itemsize:
+    if wire_dtype.itemsize != group.value_itemsize:
         raise ValueError(f"horovod-topk: {wire_dtype} values do not fit payloads of {group.value_itemsize}-byte values")
     return buffer.view(wire_dtype)
 
@@ -318,8 +322,8 @@ def compensate_and_select(
 
     ``grad`` (float32, float16 or bfloat16) and ``residual`` (float32) are the group's tensors end to end (flat,
     ``group.numel`` elements; the residual updated in place). Returns (the group's payload buffer uint8,
-    ``group.nbytes``; per tensor 1 if its gradient had NaN/Inf entries else 0, an int64 tensor on the device). Per tensor, the same payload bytes and
-    residual as device_select.compensate_and_select + ops.pack.
+    ``group.nbytes``; per tensor 1 if its gradient had NaN/Inf entries else 0, an int64 tensor on the device).
+    Per tensor, the same payload bytes and residual as device_select.compensate_and_select + ops.pack.
     """
     if grad.dtype not in WIRE_DTYPES or residual.dtype != torch.float32:
         raise ValueError(f"horovod-topk: this path takes float32/float16/bfloat16 gradients and float32 residuals, "
