@@ -24,11 +24,13 @@ import json
 import math
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from horovod_topk.core.config import INDEX_BITS, VALUE_DTYPES, TopKConfig
 from horovod_topk.core.costmodel import (
+    latency_bytes,
     BANDWIDTH_EFFICIENCY,
     Link,
     Prediction,
@@ -441,6 +443,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         tensors, what = [(f"t{i}", n) for i, n in enumerate(args.tensors)], "--tensors"
     link = Link(args.bandwidth, args.efficiency, args.latency)
+    if args.latency > 0:
+        # auto then weighs each collective as this link does, which is what the user should pass to TopKEF too
+        config = replace(config, collective_latency_bytes=latency_bytes(link))
     try:
         rows, notes = advise(tensors, args.workers, link, args.compute, config, grad_itemsize=args.grad_bytes,
                              overlap=args.overlap, t_compress_s=args.compress_time, sparse_available=sparse_available)
@@ -455,6 +460,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(rows))
     print()
     print("\n".join(notes))
+    if args.latency > 0:
+        print(f"auto above counts each collective as {config.collective_latency_bytes:,} bytes (latency x effective "
+              f"rate): pass TopKEF(collective_latency_bytes={config.collective_latency_bytes}) to choose the same way")
+    else:
+        print(f"auto above counts each collective as {config.collective_latency_bytes:,} bytes (TopKEF's default); "
+              f"give --latency to weigh your link's")
     return 0
 
 

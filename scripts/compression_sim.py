@@ -102,6 +102,38 @@ def cyclic(acc: torch.Tensor, period: int, ratio: float, step: List[int]) -> tor
     return sent
 
 
+class Drip:
+    """Receiver-side spreading, the same on every worker: what arrives for a coordinate goes into a buffer that is
+    paid out at a constant rate over as many steps as the coordinate waited since its previous arrival (at most
+    ``cap``). Adam divides by the root of the mean square of what it is given: a burst of L steps' gradient
+    every L steps moves a coordinate ~sqrt(L) times the per-step amount where dense moves it L times; paid out
+    at the coordinate's own rate, Adam sees ~the per-step gradient again. Nothing is lost: applied + buffer ==
+    everything received."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.buffers: Dict[int, torch.Tensor] = {}
+        self.rates: Dict[int, torch.Tensor] = {}
+        self.last: Dict[int, torch.Tensor] = {}
+
+    def __call__(self, key: int, received: torch.Tensor, step: int) -> torch.Tensor:
+        if key not in self.buffers:
+            self.buffers[key] = torch.zeros_like(received)
+            self.rates[key] = torch.zeros_like(received)
+            self.last[key] = torch.zeros(received.numel(), dtype=torch.int64)
+        buf, rate, last = self.buffers[key], self.rates[key], self.last[key]
+        arrived = received != 0
+        buf += received
+        waited = (step - last[arrived]).clamp(1, self.cap).to(received.dtype)
+        rate[arrived] = buf[arrived] / waited
+        last[arrived] = step
+        # pay out the rate, never more than what is left (the last payment empties the buffer)
+        paid = torch.where(rate.abs() >= buf.abs(), buf, rate)
+        buf -= paid
+        rate[buf == 0] = 0
+        return paid
+
+
 def make_method(spec: str) -> Dict[str, object]:
     """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' ; bytes per entry/coordinate too."""
     parts = spec.split(":")
@@ -142,7 +174,9 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     """One simulated run. ``spec`` is a method (make_method), optionally followed by '@dense=a,b': parameters
     whose names contain a or b go dense (a diagnosis of which tensors the compression hurts)."""
     method_spec, _, extra = spec.partition("@dense=")
+    method_spec, _, drip_cap = method_spec.partition("+drip:")
     method = make_method(method_spec)
+    drip = Drip(int(drip_cap)) if drip_cap else None
     dense_names = [x for x in extra.split(",") if x]
     model, opt, sched = task.build(seed, steps)
     names = [n for n, _ in model.named_parameters()]
@@ -180,6 +214,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                     a -= s_
                 applied = sum(sent) / workers
                 bytes_sent += method["bytes_per_coord"] * numel * workers
+            if drip is not None:
+                applied = drip(i, applied, step)
             p.grad = applied.view_as(p)
         if "counter" in method:
             method["counter"][0] += 1

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from .exchange import EXCHANGES
+from .exchange import COLLECTIVE_LATENCY_BYTES, EXCHANGES
 
 __all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS"]
 
@@ -54,8 +54,12 @@ class TopKConfig:
             rank) moves fewer bytes than the chosen sparse exchange (core.exchange's cost model). Default True.
         exchange (str): how the selected entries travel (core.exchange): "allgather" (every rank receives every
             rank's k entries: (P - 1) k per rank), "sparse_allreduce" (an alltoall to region owners who sum and
-            keep ceil(k/P) each, then an allgather: ~2.1 k per rank whatever P; PyTorch only for now), or "auto"
-            (default): per tensor, whichever moves fewer bytes at this world size.
+            keep ceil(k/P) each, then an allgather: ~2.1 k per rank whatever P), or "auto" (default): per tensor,
+            whichever costs less at this world size, counting ``collective_latency_bytes`` for each collective.
+        collective_latency_bytes (int): what exchange="auto" counts for each collective an exchange launches, in bytes: a collective's fixed time times the link's rate. The sparse allreduce launches two
+            per tensor, the others one, so it is taken only where it saves more than this many bytes per rank and
+            tensor. Default 131072 (128 KiB: ~1 ms at 1 Gbit/s, ~0.1 ms at 10 Gbit/s; core.exchange says why).
+            0 chooses by bytes alone. Every rank must pass the same value (the rank check compares the routes).
         warmup_steps (int): sparsity warm-up (DGC): over the first W steps of each tensor the ratio decays
             exponentially from 1 to ``ratio`` (ratio_t = ratio ** (t / W)); with dense_fallback the first steps
             are therefore dense. 0 (default) disables it.
@@ -85,6 +89,7 @@ class TopKConfig:
     spike_guard: Optional[float] = None
     exchange: str = "auto"
     log_every: int = 0
+    collective_latency_bytes: int = COLLECTIVE_LATENCY_BYTES
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
@@ -118,6 +123,10 @@ class TopKConfig:
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"log_every must be a non-negative integer (0: no telemetry), got {self.log_every!r}")
 
+        if (isinstance(self.collective_latency_bytes, bool) or not isinstance(self.collective_latency_bytes, int)
+                or self.collective_latency_bytes < 0):
+            raise ValueError(f"collective_latency_bytes must be a non-negative integer number of bytes, got "
+                             f"{self.collective_latency_bytes!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
         if self.compact and self.exchange == "sparse_allreduce":
@@ -147,7 +156,7 @@ class TopKConfig:
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
             for name in ("selector", "value_dtype", "index_bits", "dense_fallback", "warmup_steps", "momentum",
-                         "spike_guard", "exchange")
+                         "spike_guard", "exchange", "collective_latency_bytes")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

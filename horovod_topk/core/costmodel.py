@@ -113,6 +113,14 @@ class Link:
             raise ValueError(f"fusion threshold must be >= 0 bytes, got {self.fusion_threshold_bytes!r}")
 
 
+def latency_bytes(link: Link) -> int:
+    """One collective's fixed time in bytes of this link (latency x effective rate): the
+    TopKConfig.collective_latency_bytes under which exchange="auto" picks, per tensor, the exchange this module
+    predicts fastest (choose_exchange then minimises bytes + collectives x latency_bytes, T_comm times a constant).
+    """
+    return int(round(link.latency_s * link.efficiency * link.bandwidth_bps / 8.0))
+
+
 @dataclass(frozen=True)
 class TensorRoute:
     """How one tensor travels under a method: ``route`` "dense", "allgather" or "sparse_allreduce", ``k`` its

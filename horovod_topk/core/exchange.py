@@ -73,6 +73,8 @@ __all__ = [
     "sparse_allreduce_nbytes",
     "exchange_nbytes",
     "choose_exchange",
+    "COLLECTIVES",
+    "COLLECTIVE_LATENCY_BYTES",
 ]
 
 AUTO = "auto"
@@ -89,6 +91,18 @@ HASH_MULTIPLIER = 2654435761
 #: phases together) while overflow, which only delays entries to a later step through the residual, stays rare
 #: for k / P in the hundreds and above.
 CAPACITY_SLACK = 1.1
+#: Collectives Horovod launches for one tensor's step under each exchange (the phase-2 allgather of the sparse
+#: allreduce is a second one, started only when phase 1 has finished).
+COLLECTIVES = {DENSE: 1, ALLGATHER: 1, SPARSE_ALLREDUCE: 2}
+#: What one more collective costs, counted in bytes (its fixed time x the link's rate), when "auto" weighs an
+#: exchange that launches more collectives: 128 KiB is ~1 ms at 1 Gbit/s or ~0.1 ms at 10 Gbit/s. A collective's
+#: fixed cost is its latency plus, for a chained second phase, the wait for another turn of Horovod's background
+#: loop (HOROVOD_CYCLE_TIME, a millisecond or more). Counting it only by bytes made "auto" take the sparse allreduce
+#: for the small tensors of the P = 4 test bed, where it measured slowest (digits: 171.6 ms per step against 60.9 ms
+#: for the allgather at 100 Mbit/s; README "Time to target at P = 4"). Users who know their link pass
+#: TopKConfig(collective_latency_bytes=latency x bandwidth / 8); ``python -m horovod_topk.advise --latency ...``
+#: prints the value for theirs.
+COLLECTIVE_LATENCY_BYTES = 131072
 #: Entries per rank the two phases together may move, in units of k: P * (capacity + kept) <= 2.2 k whenever
 #: k >= P (one entry per owner at least; below that the allgather or dense is cheaper anyway).
 BYTES_BUDGET = 2.2
@@ -222,12 +236,17 @@ def choose_exchange(
     dense_fallback: bool = True,
     sparse_available: bool = True,
     payload_nbytes: Optional[int] = None,
+    collective_latency_bytes: float = COLLECTIVE_LATENCY_BYTES,
 ) -> Tuple[str, float]:
-    """(exchange, its bytes per rank) for one compressed tensor: the cheapest of the allowed ones.
+    """(exchange, its bytes per rank) for one compressed tensor: the cheapest of the allowed ones, where an
+    exchange costs its bytes per rank plus ``collective_latency_bytes`` for each collective it launches
+    (COLLECTIVES): the step-time model of core.costmodel in units of bytes, so the sparse allreduce is taken only
+    where the bytes it saves outweigh its second collective.
 
     ``requested`` "auto" allows allgather and (when the framework has it, ``sparse_available``) the sparse
-    allreduce; a named exchange allows only itself. With ``dense_fallback`` a dense ring allreduce wins whenever it
-    moves fewer bytes. Ties go to the earlier of dense, allgather, sparse_allreduce: fewer collectives, less latency.
+    allreduce; a named exchange allows only itself, and is then weighed against dense by bytes alone (the user
+    chose it; latency does not overrule that). With ``dense_fallback`` a dense ring allreduce wins whenever it
+    costs less. Ties go to the earlier of dense, allgather, sparse_allreduce: fewer collectives, less latency.
     On one rank nothing travels: the allgather (a local copy) is taken. ``payload_nbytes``: the allgather payload's
     size when it is not the plain layout's (the compact encoding, core.payload).
     """
@@ -240,10 +259,16 @@ def choose_exchange(
     allowed = [ALLGATHER, SPARSE_ALLREDUCE] if requested == AUTO else [requested]
     if requested == AUTO and not sparse_available:
         allowed = [ALLGATHER]
+    if not (math.isfinite(collective_latency_bytes) and collective_latency_bytes >= 0):
+        raise ValueError(f"collective_latency_bytes must be a non-negative number, got {collective_latency_bytes!r}")
     candidates = ([DENSE] if dense_fallback and world_size > 1 else []) + allowed
-    costs = [((world_size - 1) * payload_nbytes if e == ALLGATHER and payload_nbytes is not None else
-              exchange_nbytes(e, world_size, numel, k, value_itemsize, grad_itemsize), i, e)
-             for i, e in enumerate(candidates)]
-    cost, _, best = min(costs)
-    return best, cost
+    # A named exchange is the user's choice: dense_fallback then compares bytes only, as documented
+    latency = collective_latency_bytes if requested == AUTO else 0.0
+    costs = []
+    for i, e in enumerate(candidates):
+        nbytes = ((world_size - 1) * payload_nbytes if e == ALLGATHER and payload_nbytes is not None else
+                  exchange_nbytes(e, world_size, numel, k, value_itemsize, grad_itemsize))
+        costs.append((nbytes + COLLECTIVES[e] * latency, i, e, nbytes))
+    _, _, best, nbytes = min(costs)
+    return best, nbytes
 

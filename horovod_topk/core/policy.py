@@ -147,8 +147,8 @@ def plan_tensor(
     Non-floating tensors (integer counters, masks), tensors under ``config.min_numel``, and — with
     ``config.dense_fallback`` — tensors whose exchange would move more bytes than a ring allreduce go dense.
     Otherwise the exchange is core.exchange.choose_exchange's three-way choice (dense, allgather, sparse
-    allreduce: fewest bytes per rank); ``sparse_available`` says whether the calling framework has the sparse
-    allreduce. Every input is the same on every rank, so every rank decides alike. A tensor too large for int32 indices is
+    allreduce: fewest bytes per rank, each collective counted as config.collective_latency_bytes bytes);
+    ``sparse_available`` says whether the calling framework has the sparse allreduce. Every input is the same on every rank, so every rank decides alike. A tensor too large for int32 indices is
     refused with an error that names it.
     """
     if not is_floating:
@@ -168,6 +168,7 @@ def plan_tensor(
         config.exchange, world_size, numel, k, value_itemsize, grad_itemsize,
         dense_fallback=config.dense_fallback, sparse_available=sparse_available and not config.compact,
         payload_nbytes=tensor_payload_layout(config, k, numel, value_itemsize).nbytes if config.compact else None,
+        collective_latency_bytes=config.collective_latency_bytes,
     )
     if exchange == DENSE:
         return TensorPlan(numel, None, f"dense is cheaper at k={k} ({nbytes:.0f} bytes per rank)", DENSE)

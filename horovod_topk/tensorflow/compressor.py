@@ -208,7 +208,8 @@ class TopKEF(TopKEFBase[Any]):
         # core.exchange's choice for a payload of k entries (a warm-up branch's k is its capacity; dense is decided
         # by the schedule): the same as plan_tensor's once the warm-up is over
         exchange, _ = choose_exchange(self.config.exchange, world_size, step.numel, k, step.wire_dtype.size,
-                                      step.tensor.dtype.size, dense_fallback=False, sparse_available=not layout.compact)
+                                      step.tensor.dtype.size, dense_fallback=False, sparse_available=not layout.compact,
+                                      collective_latency_bytes=self.config.collective_latency_bytes)
         if exchange == SPARSE_ALLREDUCE:
             return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, suffix)
         if layout.compact:

@@ -66,7 +66,7 @@ def test_cost_model_formulas():
 def test_three_way_choice():
     n = 1_000_000
     assert choose_exchange("auto", 2, n, 10_000, 4, 4)[0] == "allgather"   # k vs 1.05 k
-    assert choose_exchange("auto", 4, n, 10_000, 4, 4)[0] == "sparse_allreduce"
+    assert choose_exchange("auto", 4, n, 10_000, 4, 4, collective_latency_bytes=0)[0] == "sparse_allreduce"
     assert choose_exchange("auto", 4, n, 10_000, 4, 4, sparse_available=False)[0] == "allgather"
     assert choose_exchange("auto", 128, n, 10_000, 4, 4, sparse_available=False)[0] == "dense"
     assert choose_exchange("auto", 128, n, 10_000, 4, 4)[0] == "sparse_allreduce"
@@ -77,6 +77,36 @@ def test_three_way_choice():
     assert choose_exchange("auto", 1, n, 10_000, 4, 4)[0] == "allgather"
     with pytest.raises(ValueError, match="not available"):
         choose_exchange("sparse_allreduce", 4, n, 10, 4, 4, sparse_available=False)
+
+
+def test_auto_counts_each_collective_as_latency_bytes():
+    """The sparse allreduce launches two collectives (alltoall, then allgather), the allgather one: "auto" takes
+    it only where its saving in bytes exceeds one collective's worth (collective_latency_bytes)."""
+    n = 1_000_000
+    k = 10_000
+    saving = allgather_exchange_nbytes(4, k, 4) - sparse_allreduce_nbytes(4, k, 4)
+    assert saving == 240_000 - 3 * (2750 + 2500) * 8 == 114_000
+    assert choose_exchange("auto", 4, n, k, 4, 4, collective_latency_bytes=saving - 1)[0] == "sparse_allreduce"
+    assert choose_exchange("auto", 4, n, k, 4, 4, collective_latency_bytes=saving)[0] == "allgather"  # tie: fewer
+    # the default (128 KiB) keeps a 1M-parameter tensor on the allgather at P = 4, gives it the sparse allreduce at 8
+    assert choose_exchange("auto", 4, n, k, 4, 4) == ("allgather", 240_000)
+    best, nbytes = choose_exchange("auto", 8, n, k, 4, 4)
+    assert best == "sparse_allreduce" and nbytes == sparse_allreduce_nbytes(8, k, 4)  # bytes, not the cost
+    # dense against a two-collective sparse allreduce: latency counts under auto ...
+    small = 2048
+    assert choose_exchange("auto", 64, small, 64, 4, 4, sparse_available=True)[0] == "dense"
+    # ... not when the user named the exchange: dense_fallback then compares bytes only, as documented
+    assert choose_exchange("sparse_allreduce", 64, 10 * small, 64, 4, 4)[0] == "sparse_allreduce"
+    with pytest.raises(ValueError, match="collective_latency_bytes"):
+        choose_exchange("auto", 4, n, k, 4, 4, collective_latency_bytes=-1)
+    with pytest.raises(ValueError, match="collective_latency_bytes"):
+        TopKConfig(collective_latency_bytes=-5)
+    with pytest.raises(ValueError, match="collective_latency_bytes"):
+        TopKConfig(collective_latency_bytes=1.5)
+    # the config's value reaches the per-tensor plan
+    assert plan_tensor("w", n, True, TopKConfig(), world_size=4, sparse_available=True).exchange == "allgather"
+    assert plan_tensor("w", n, True, TopKConfig(collective_latency_bytes=0), world_size=4,
+                       sparse_available=True).exchange == "sparse_allreduce"
 
 
 def test_plan_carries_the_exchange():
