@@ -32,8 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
-#: The two exchanges of a compressed tensor, forced (exchange="auto" picks the allgather at P = 2 and the sparse
-#: allreduce from P = 3 on these models): measured on request.
+#: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
+#: models' tensors on the allgather up to P = 4 at least: README "Many workers"): measured on request.
 EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce"]
 MODELS = ["mlp", "digits", "charlm"]
 

@@ -56,7 +56,7 @@ def compression_for(method: str, warmup_steps: int):
         "compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8"),
         "compact0.0025-warmup": TopKEF(ratio=0.0025, index_bits=16, value_dtype="float8", warmup_steps=warmup_steps),
         "topk0.0267": TopKEF(ratio=0.0267),  # the entries of compact0.025's budget, at 8 bytes each (2.7x its bytes)
-        # the two exchanges forced (exchange="auto" takes the allgather at P = 2 and the sparse allreduce from P = 3)
+        # the two exchanges forced (exchange="auto" weighs bytes and collectives: README "Many workers")
         "topk0.01-allgather": TopKEF(ratio=0.01, exchange="allgather"),
         "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce"),
     }[method]

@@ -275,3 +275,24 @@ def test_advise_loads_no_framework():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout.strip()
     assert out == ""
+
+
+def test_latency_makes_auto_pick_the_fastest_predicted_exchange(capsys):
+    """With a link's latency, advise sets collective_latency_bytes = latency x effective rate: auto's per-tensor
+    choice then minimises the model's own T_comm, so auto is never predicted slower than either forced exchange."""
+    from horovod_topk.core.costmodel import latency_bytes
+
+    link = Link(10e9, latency_s=50e-6)
+    assert latency_bytes(link) == round(50e-6 * 0.75 * 10e9 / 8) == 46875
+    tensors = advise.resnet50()
+    cfg = TopKConfig(collective_latency_bytes=latency_bytes(link))
+    times = {e: predict("topk", tensors, 32, link, 0.12, config=TopKConfig(**{**cfg.to_dict(), "exchange": e})).t_step_s
+             for e in ("auto", "allgather", "sparse_allreduce")}
+    assert times["auto"] <= min(times["allgather"], times["sparse_allreduce"])
+    routes = {r.route for r in predict("topk", tensors, 32, link, 0.12, config=cfg).routes}
+    assert routes == {"dense", "allgather", "sparse_allreduce"}  # a mix: neither exchange wins every tensor
+    assert advise.main(["--model", "resnet50", "--workers", "32", "--bandwidth", "10gbit", "--compute", "120ms",
+                        "--latency", "50us"]) == 0
+    assert "pass TopKEF(collective_latency_bytes=46875)" in capsys.readouterr().out
+    assert advise.main(["--model", "resnet50", "--workers", "32", "--bandwidth", "10gbit", "--compute", "120ms"]) == 0
+    assert "131,072 bytes (TopKEF's default)" in capsys.readouterr().out
