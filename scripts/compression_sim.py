@@ -18,12 +18,13 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
 from lm_tasks import LMTask, make_task  # noqa: E402
 
@@ -134,6 +135,47 @@ class Drip:
         return paid
 
 
+def sparse_allreduce(accs: List[torch.Tensor], ratio: float, keep_factor: float) -> Tuple[torch.Tensor, int]:
+    """The sparse allreduce of core.exchange on P accumulators, in place: each worker's top-k, at most
+    ``capacity`` per region owner (the hash split), each owner keeps the ceil(keep_factor * k / P) largest sums;
+    every worker takes back into its accumulator only its entries that were applied. Returns the applied average
+    and the bytes one worker hands to the two collectives (P capacity blocks and its kept sums, 8 bytes an entry,
+    as SparseAllreduceLayouts.sent_nbytes; the other methods count what they hand over too)."""
+    from horovod_topk.core.exchange import capacity, kept_per_owner
+
+    workers = len(accs)
+    n = accs[0].numel()
+    k = max(1, math.ceil(ratio * n))
+    cap = capacity(k, workers, n)
+    kept = min(n, math.ceil(keep_factor * kept_per_owner(k, workers)))
+    region = ((torch.arange(n, dtype=torch.int64) * 2654435761) & 0xFFFFFFFF) * workers >> 32
+    sums = torch.zeros(n)
+    sent = []
+    for a in accs:
+        idx = a.abs().topk(k, sorted=False).indices
+        chosen = []
+        for j in range(workers):  # over capacity: the largest go, the rest wait in the residual
+            mine = idx[region[idx] == j]
+            if mine.numel() > cap:
+                mine = mine[a[mine].abs().topk(cap, sorted=False).indices]
+            chosen.append(mine)
+        chosen = torch.cat(chosen)
+        sums.index_add_(0, chosen, a[chosen])
+        sent.append(chosen)
+    applied_mask = torch.zeros(n, dtype=torch.bool)
+    for j in range(workers):
+        owned = (region == j).nonzero().squeeze(1)
+        owned = owned[sums[owned] != 0]
+        if owned.numel() > kept:
+            owned = owned[sums[owned].abs().topk(kept, sorted=False).indices]
+        applied_mask[owned] = True
+    applied = torch.where(applied_mask, sums, torch.zeros(()))
+    for a, chosen in zip(accs, sent):
+        back = chosen[applied_mask[chosen]]
+        a[back] = 0  # applied: leaves the residual
+    return applied / workers, (workers * cap + kept) * 8
+
+
 def make_method(spec: str) -> Dict[str, object]:
     """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' ; bytes per entry/coordinate too."""
     parts = spec.split(":")
@@ -144,7 +186,9 @@ def make_method(spec: str) -> Dict[str, object]:
         ratio = float(parts[1])
         vbits = int(parts[2]) if len(parts) > 2 else 32
         ibits = int(parts[3]) if len(parts) > 3 else 32  # 16: sorted indices sent as 16-bit gaps
-        return {"fn": lambda a: topk(a, ratio, vbits), "bytes_per_coord": ratio * (ibits + vbits) / 8}
+        scale = [1.0]  # the byte schedule's factor of this step (run() sets it)
+        return {"fn": lambda a: topk(a, ratio * scale[0], vbits), "bytes_per_coord": ratio * (ibits + vbits) / 8,
+                "scale": scale}
     if kind == "block":
         block, m, vbits = int(parts[1]), int(parts[2]), int(parts[3])
         idx_bits = max(1, math.ceil(math.log2(block))) if m < block else 0
@@ -165,6 +209,10 @@ def make_method(spec: str) -> Dict[str, object]:
         counter = [0]
         return {"fn": lambda a: cyclic(a, period, ratio, counter), "bytes_per_coord": ratio * 3 + 1 / period,
                 "counter": counter}
+    if kind == "sar":  # 'sar:RATIO[:KEEP]': the sparse allreduce, owners keeping KEEP x ceil(k / P) sums
+        ratio = float(parts[1])
+        keep = float(parts[2]) if len(parts) > 2 else 1.0
+        return {"inplace": lambda accs: sparse_allreduce(accs, ratio, keep)}
     if kind == "sign":
         return {"fn": lambda a: quantize(a, 1), "bytes_per_coord": 1 / 8}
     raise ValueError(f"unknown method {spec!r}")
@@ -174,8 +222,14 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     """One simulated run. ``spec`` is a method (make_method), optionally followed by '@dense=a,b': parameters
     whose names contain a or b go dense (a diagnosis of which tensors the compression hurts)."""
     method_spec, _, extra = spec.partition("@dense=")
+    method_spec, _, byte_sched = method_spec.partition("+sched:")
     method_spec, _, drip_cap = method_spec.partition("+drip:")
     method = make_method(method_spec)
+    # '+sched:F:H': the first fraction F of the steps send H times the entries, the rest fewer, the same bytes in all
+    front, high = (float(x) for x in byte_sched.split(":")) if byte_sched else (0.0, 1.0)
+    low = (1.0 - front * high) / (1.0 - front) if byte_sched else 1.0
+    if byte_sched and low <= 0:
+        raise ValueError(f"schedule {byte_sched!r} spends more than the budget in its first part")
     drip = Drip(int(drip_cap)) if drip_cap else None
     dense_names = [x for x in extra.split(",") if x]
     model, opt, sched = task.build(seed, steps)
@@ -189,6 +243,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     evals: List[int] = []
     start = time.perf_counter()
     for step in range(1, steps + 1):
+        if "scale" in method:
+            method["scale"][0] = high if step <= front * steps else low
         grads = []
         for w in range(workers):
             model.zero_grad(set_to_none=True)
@@ -198,12 +254,16 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
             numel = p.numel()
             bytes_dense += 4 * numel * workers
             forced_dense = any(d in names[i] for d in dense_names)
-            if "joint" not in method and method["fn"] is None or numel < min_numel or forced_dense:
+            if ("joint" not in method and "inplace" not in method and method["fn"] is None or numel < min_numel
+                    or forced_dense):
                 p.grad = (sum(g[i] for g in grads) / workers).view_as(p)
                 bytes_sent += 4 * numel * workers
                 continue
             accs = [residuals[w][i].add_(grads[w][i]) for w in range(workers)]
-            if "joint" in method:
+            if "inplace" in method:
+                applied, nbytes = method["inplace"](accs)
+                bytes_sent += nbytes * workers
+            elif "joint" in method:
                 applied, nbytes = method["joint"](accs, p.shape, i)
                 for a in accs:
                     a -= applied
@@ -213,7 +273,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                 for a, s_ in zip(accs, sent):
                     a -= s_
                 applied = sum(sent) / workers
-                bytes_sent += method["bytes_per_coord"] * numel * workers
+                bytes_sent += method["bytes_per_coord"] * method.get("scale", [1.0])[0] * numel * workers
             if drip is not None:
                 applied = drip(i, applied, step)
             p.grad = applied.view_as(p)
