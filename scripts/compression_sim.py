@@ -218,9 +218,49 @@ def make_method(spec: str) -> Dict[str, object]:
     raise ValueError(f"unknown method {spec!r}")
 
 
-def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel: int = 1024) -> dict:
+class Diagnosis:
+    """Per compressed tensor: which coordinates reached the applied update and how long they waited, and how large
+    the residuals are against what is applied -- the numbers that say where Top-K starves a model."""
+
+    def __init__(self) -> None:
+        self.last: Dict[int, torch.Tensor] = {}
+        self.intervals: Dict[int, List[torch.Tensor]] = {}
+        self.ratios: Dict[int, List[float]] = {}
+
+    def record(self, key: int, applied: torch.Tensor, residuals: List[torch.Tensor], step: int) -> None:
+        last = self.last.setdefault(key, torch.zeros(applied.numel(), dtype=torch.int32))
+        hit = applied != 0
+        self.intervals.setdefault(key, []).append((step - last[hit]).to(torch.int32))
+        last[hit] = step
+        norm = applied.norm().item()
+        mean_residual = sum(r.norm().item() for r in residuals) / len(residuals)
+        self.ratios.setdefault(key, []).append(mean_residual / norm if norm > 0 else float("inf"))
+
+    def summary(self, names: List[str], steps: int) -> List[dict]:
+        rows = []
+        for key, last in self.last.items():
+            waits = torch.cat(self.intervals[key]).float()
+            tail = self.ratios[key][-max(1, len(self.ratios[key]) // 10):]
+            never = (last == 0)
+            stale = (steps - last[~never]).float()
+            rows.append({
+                "tensor": names[key], "numel": last.numel(),
+                "ever_applied": 1.0 - never.float().mean().item(),
+                # steps between two arrivals of a coordinate (the first arrival counts from step 0)
+                "wait_median": waits.median().item(), "wait_max": waits.max().item(),
+                # torch.quantile takes at most 2**24 values: an evenly strided subset of the rest
+                "wait_p90": waits[::max(1, -(-waits.numel() // 2**24))].quantile(0.9).item(),
+                "stale_at_end_median": stale.median().item() if stale.numel() else float("nan"),
+                "residual_over_applied": sum(tail) / len(tail),
+            })
+        return rows
+
+
+def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel: int = 1024,
+        diagnose: bool = False) -> dict:
     """One simulated run. ``spec`` is a method (make_method), optionally followed by '@dense=a,b': parameters
-    whose names contain a or b go dense (a diagnosis of which tensors the compression hurts)."""
+    whose names contain a or b go dense (a diagnosis of which tensors the compression hurts). ``diagnose``:
+    per-tensor numbers (Diagnosis) in the result's "diagnosis"."""
     method_spec, _, extra = spec.partition("@dense=")
     method_spec, _, byte_sched = method_spec.partition("+sched:")
     method_spec, _, drip_cap = method_spec.partition("+drip:")
@@ -231,6 +271,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     if byte_sched and low <= 0:
         raise ValueError(f"schedule {byte_sched!r} spends more than the budget in its first part")
     drip = Drip(int(drip_cap)) if drip_cap else None
+    diagnosis = Diagnosis() if diagnose else None
     dense_names = [x for x in extra.split(",") if x]
     model, opt, sched = task.build(seed, steps)
     names = [n for n, _ in model.named_parameters()]
@@ -258,6 +299,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                     or forced_dense):
                 p.grad = (sum(g[i] for g in grads) / workers).view_as(p)
                 bytes_sent += 4 * numel * workers
+                if diagnosis is not None and numel >= min_numel:  # dense's own numbers, to compare with
+                    diagnosis.record(i, p.grad.reshape(-1), [torch.zeros(1)], step)
                 continue
             accs = [residuals[w][i].add_(grads[w][i]) for w in range(workers)]
             if "inplace" in method:
@@ -276,6 +319,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                 bytes_sent += method["bytes_per_coord"] * method.get("scale", [1.0])[0] * numel * workers
             if drip is not None:
                 applied = drip(i, applied, step)
+            if diagnosis is not None:
+                diagnosis.record(i, applied, [residuals[w][i] for w in range(workers)], step)
             p.grad = applied.view_as(p)
         if "counter" in method:
             method["counter"][0] += 1
@@ -285,8 +330,11 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
         if step % task.eval_every == 0 or step == steps:
             curve.append(task.validate(model))
             evals.append(step)
-    return {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve, "final": curve[-1],
-            "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start}
+    result = {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve, "final": curve[-1],
+              "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start}
+    if diagnosis is not None:
+        result["diagnosis"] = diagnosis.summary(names, steps)
+    return result
 
 
 def main() -> None:
@@ -297,6 +345,9 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--methods", nargs="+", default=["dense", "topk:0.01"])
     parser.add_argument("--out", default=str(ROOT / "results" / "sim"))
+    parser.add_argument("--diagnose", action="store_true",
+                        help="per compressed tensor: share of coordinates ever applied, steps between arrivals, "
+                             "staleness at the end, residual norm / applied norm")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = make_task(args.task)
@@ -304,14 +355,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for spec in args.methods:
         for seed in args.seeds:
-            path = out / f"{args.task}-{args.steps}-{spec.replace(':', '_')}-{seed}.json"
+            diag = "-diag" if args.diagnose else ""
+            path = out / f"{args.task}-{args.steps}-{spec.replace(':', '_')}-{seed}{diag}-p{args.workers}.json"
             if path.exists():
                 r = json.loads(path.read_text())
             else:
-                r = run(task, spec, seed, args.steps, args.workers)
+                r = run(task, spec, seed, args.steps, args.workers, diagnose=args.diagnose)
                 path.write_text(json.dumps(r))
             print(f"{args.task} {args.steps} {spec:<22} seed {seed}: valid {r['final']:.4f}  bytes "
                   f"{100 * r['bytes_fraction']:.2f}% of dense  ({r['seconds']:.0f} s)", flush=True)
+            for d in r.get("diagnosis", []):
+                print(f"    {d['tensor']:<28} {d['numel']:>8}  ever applied {100 * d['ever_applied']:5.1f}%  "
+                      f"steps between arrivals: median {d['wait_median']:.0f}, p90 {d['wait_p90']:.0f}, "
+                      f"max {d['wait_max']:.0f}  stale at end (median) {d['stale_at_end_median']:.0f}  "
+                      f"residual/applied {d['residual_over_applied']:.1f}", flush=True)
 
 
 if __name__ == "__main__":
