@@ -116,6 +116,11 @@ class TopKEF(TopKEFBase[Any]):
         return None if tf.executing_eagerly() else tensor.name
 
     # ---- called by the routing -----------------------------------------------------------------------------
+    # Horovod's reduction runs under AutoGraph, which would convert everything called from here, core's pure-Python
+    # planning included (warmup_schedule plans every warm-up step of every tensor): measured, that conversion was
+    # most of the trace cost. This code builds its control flow with explicit tf.cond / tf.switch_case, so it
+    # needs no conversion.
+    @tf.autograph.experimental.do_not_convert
     def start_reduction(
         self,
         tensor: tf.Tensor,
