@@ -77,7 +77,8 @@ def test_sampled_selector_returns_exactly_the_top_k(ratio):
     n = 100_000
     k = int(np.ceil(ratio * n))
     magnitude = np.abs(rng.standard_t(2, n)).astype(np.float32)
-    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), k, *ops.sample_geometry(n, k, max(2048, int(100 / ratio)))).numpy()
+    geometry = ops.sample_geometry(n, k, max(2048, int(100 / ratio)))
+    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), k, *geometry).numpy()
     assert len(set(chosen.tolist())) == k
     assert magnitude[chosen].min() >= np.sort(magnitude)[-k]
 
