@@ -186,7 +186,9 @@ class TopKEF(TopKEFBase[Any]):
         for every step's k, whose sizes it looks up by step (horovod_topk.tensorflow.sizes). Each step therefore
         selects and sends exactly the k and exchange of core's plan for that step, as PyTorch does, and the
         graph holds one copy of the compressed path per exchange instead of one per payload size. The steps
-        after the warm-up run the same branch at the final k."""
+        after the warm-up run the same branch at the final k: a branch of static shapes for them would be a second
+        copy of the compressed path in every tensor's graph, the trace cost this design removes (README, "First-step
+        (tracing) cost", has the per-step times of both)."""
         world_size = step.process_set.size()
         schedule = warmup_schedule(step.name, step.numel, True, self.config, world_size=world_size,
                                    value_itemsize=step.wire_dtype.size, grad_itemsize=step.tensor.dtype.size,
