@@ -4,14 +4,17 @@
 The training step of Horovod's own examples/tensorflow2/tensorflow2_synthetic_benchmark.py (a Keras application
 model with weights=None, synthetic images, `hvd.DistributedGradientTape`, SGD, variables broadcast on the first
 step), on 2 Horovod workers, once per method in the same run: dense allreduce, TopKEF at ratio 0.01, and TopKEF
-with sparsity warm-up (one `tf.switch_case` branch per payload capacity per tensor, the largest graph). Per method
-it prints the first step's time (trace + graph optimisation + one step), the mean of the next steps, and the
-trace cost = first - later; a table compares them with dense.
+with sparsity warm-up (`--warmup-steps`, default 100: a `tf.switch_case` per tensor with a dense branch and one
+compressed branch whose sizes follow the step's k). Per method it prints the first step's time (trace + graph
+optimisation + one step), the mean of the next steps, and the trace cost = first - later; a table compares them
+with dense. The later steps of a 100-step warm-up go dense (its first k are large); `--warmup-steps 1` times the
+compressed branch at the final k instead (its steps after the first).
 
 Small images (--image, default 64) keep a step on this 2-core machine short: the trace cost depends on the
 graph (number of variables and ops), not on the image size.
 
-    python scripts/bench_tf_trace.py                              # ResNet-50, 2 workers (about 5 minutes here)
+    python scripts/bench_tf_trace.py                              # ResNet-50, 2 workers (about 15 minutes here)
+    python scripts/bench_tf_trace.py --methods topk0.01 topk0.01-warmup --warmup-steps 1 --steps 5
     python scripts/bench_tf_trace.py --model MobileNetV2 --image 96 --steps 5
 """
 from __future__ import annotations
@@ -51,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
         data = tf.random.uniform([args.batch, args.image, args.image, 3])
         target = tf.random.uniform([args.batch, 1], minval=0, maxval=999, dtype=tf.int64)
         compression = {"dense": hvd.Compression.none, "topk0.01": TopKEF(ratio=0.01),
-                       "topk0.01-warmup": TopKEF(ratio=0.01, warmup_steps=100)}[method]
+                       "topk0.01-warmup": TopKEF(ratio=0.01, warmup_steps=args.warmup_steps)}[method]
 
         @tf.function
         def step(first_batch: bool) -> None:
@@ -93,6 +96,7 @@ def main() -> None:
     parser.add_argument("--image", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="steps timed after the first")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--warmup-steps", type=int, default=100, help="warmup_steps of topk0.01-warmup")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -100,7 +104,7 @@ def main() -> None:
         return
     cmd = ["horovodrun", "-np", "2", "-H", "localhost:2", sys.executable, str(Path(__file__).resolve()), "--worker",
            "--model", args.model, "--batch", str(args.batch), "--image", str(args.image), "--steps", str(args.steps),
-           "--methods", *args.methods]
+           "--warmup-steps", str(args.warmup_steps), "--methods", *args.methods]
     # the workers' output is read as it comes, so that rank 0's line per finished method shows progress
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ})

@@ -82,16 +82,16 @@ def tensor_payload_layout(config: TopKConfig, k: int, numel: int, value_itemsize
 
 @dataclass(frozen=True)
 class WarmupSchedule:
-    """A tensor's sparsity warm-up for a traced graph, where every payload size is a branch built in advance.
+    """A tensor's sparsity warm-up for a traced graph, where every route is a branch built in advance.
 
-    The k of each warm-up step (plan_tensor at that step) is sent in a payload of one of a few ``capacities``:
-    the final k times a power of two, the smallest that holds it (None: the step goes dense). The entries beyond
-    ``count[t]`` in a payload are zero-valued and stay in the residual, so a step sends what it would send with a
-    payload of exactly k entries, at up to twice the bytes; a graph holds log2(k_max / k) + 2 branches, not one
-    per step. ``phase[t]`` / ``count[t]`` are for steps t = 0 .. warmup_steps; later steps use the last ones.
+    Step t takes the route and k of plan_tensor at t: ``routes[phase[t]]`` ("dense", "allgather" or
+    "sparse_allreduce"; the routes in the order the steps first take them) with ``count[t]`` entries (0 when
+    dense). A graph holds one branch per route, not one per k: a branch looks up its step's k and sizes
+    (horovod_topk.tensorflow.sizes), so it sends exactly the entries and bytes PyTorch sends at that step.
+    ``phase`` and ``count`` are for steps t = 0 .. warmup_steps; later steps use the last ones.
     """
 
-    capacities: Tuple[Optional[int], ...]
+    routes: Tuple[str, ...]
     phase: Tuple[int, ...]
     count: Tuple[int, ...]
 
@@ -101,23 +101,19 @@ def warmup_schedule(
     grad_itemsize: int, sparse_available: bool = False,
 ) -> Optional[WarmupSchedule]:
     """The WarmupSchedule of a tensor, or None when it goes dense on every step (k never changes its route).
-    ``sparse_available`` as for plan_tensor: each step's dense-or-not decision weighs the sparse allreduce too."""
+    ``sparse_available`` as for plan_tensor: each step's route weighs the sparse allreduce too."""
     plans = [plan_tensor(name, numel, is_floating, config, world_size=world_size, step=t,
                          value_itemsize=value_itemsize, grad_itemsize=grad_itemsize,
                          sparse_available=sparse_available)
              for t in range(config.warmup_steps + 1)]
-    final = plans[-1].k
-    if final is None:
+    if plans[-1].k is None:
         return None
-    capacities: list = []
-    phase, count = [], []
+    routes: list = []
     for plan in plans:
-        capacity = None if plan.k is None else min(numel, final * 2 ** math.ceil(math.log2(plan.k / final) - 1e-12))
-        if capacity not in capacities:
-            capacities.append(capacity)
-        phase.append(capacities.index(capacity))
-        count.append(plan.k or 0)
-    return WarmupSchedule(tuple(capacities), tuple(phase), tuple(count))
+        if plan.exchange not in routes:
+            routes.append(plan.exchange)
+    return WarmupSchedule(tuple(routes), tuple(routes.index(plan.exchange) for plan in plans),
+                          tuple(plan.k or 0 for plan in plans))
 
 
 def allgather_nbytes(world_size: int, k: int, entry_nbytes: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -19,7 +19,6 @@ import tensorflow as tf
 from ..core.policy import spike_guard_scale, warmup_schedule
 
 from ..core import (
-    PayloadLayout,
     PendingReduction,
     RankMismatch,
     TensorRecord,
@@ -30,11 +29,9 @@ from ..core import (
     mismatch_message,
     plan_tensor,
     reduction_scale,
-    sample_size,
 )
-from ..core.exchange import SPARSE_ALLREDUCE, choose_exchange
-from ..core.policy import tensor_payload_layout
-from . import encoding, ops, sparse_allreduce
+from ..core.exchange import DENSE, SPARSE_ALLREDUCE
+from . import encoding, ops, sizes, sparse_allreduce
 from .telemetry import GraphTelemetry, adapt_writer
 
 __all__ = ["TopKEF"]
@@ -119,6 +116,11 @@ class TopKEF(TopKEFBase[Any]):
         return None if tf.executing_eagerly() else tensor.name
 
     # ---- called by the routing -----------------------------------------------------------------------------
+    # Horovod's reduction runs under AutoGraph, which would convert everything called from here, core's pure-Python
+    # planning included (warmup_schedule plans every warm-up step of every tensor): measured, that conversion was
+    # most of the trace cost. This code builds its control flow with explicit tf.cond / tf.switch_case, so it
+    # needs no conversion.
+    @tf.autograph.experimental.do_not_convert
     def start_reduction(
         self,
         tensor: tf.Tensor,
@@ -174,44 +176,59 @@ class TopKEF(TopKEFBase[Any]):
         step = _Step(tensor, name, numel, wire_dtype, residual, momentum, counters, guarded, dense_nbytes, scale,
                      process_set)
         if not self.config.warmup_steps:
-            return tf.reshape(self._topk_reduce(step, plan.k), pending.shape)
-        schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
-                                   value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
+            return tf.reshape(self._topk_reduce(step, plan.exchange, plan.k), pending.shape)
+        return tf.reshape(self._warmup_reduce(step, op_name, prescale_factor, postscale_factor), pending.shape)
+
+    def _warmup_reduce(self, step: "_Step", op_name: str, prescale_factor: float,
+                       postscale_factor: float) -> tf.Tensor:
+        """The sparsity warm-up in one traced graph: one ``tf.switch_case`` branch per route the schedule takes
+        (core.policy.warmup_schedule: dense, allgather, sparse allreduce; two on 2 workers), each built once
+        for every step's k, whose sizes it looks up by step (horovod_topk.tensorflow.sizes). Each step therefore
+        selects and sends exactly the k and exchange of core's plan for that step, as PyTorch does, and the
+        graph holds one copy of the compressed path per exchange instead of one per payload size. The steps
+        after the warm-up run the same branch at the final k: a branch of static shapes for them would be a second
+        copy of the compressed path in every tensor's graph, the trace cost this design removes (README, "First-step
+        (tracing) cost", has the per-step times of both)."""
+        world_size = step.process_set.size()
+        schedule = warmup_schedule(step.name, step.numel, True, self.config, world_size=world_size,
+                                   value_itemsize=step.wire_dtype.size, grad_itemsize=step.tensor.dtype.size,
                                    sparse_available=True)
         assert schedule is not None  # this step is compressed, hence the last one is
-        t = tf.minimum(counters[0], len(schedule.phase) - 1)
-        count = tf.gather(tf.constant(schedule.count, tf.int32), t)
+        t = tf.minimum(step.counters[0], len(schedule.phase) - 1)
         branches = [
-            functools.partial(self._dense_reduce, step, op_name, prescale_factor, postscale_factor) if capacity is None
-            else functools.partial(self._topk_reduce, step, capacity, count, f".c{capacity}")
-            for capacity in schedule.capacities
+            functools.partial(self._dense_reduce, step, op_name, prescale_factor, postscale_factor) if route == DENSE
+            else functools.partial(self._topk_reduce, step, route, schedule.count, t)
+            for route in schedule.routes
         ]
-        reduced = tf.switch_case(tf.gather(tf.constant(schedule.phase, tf.int32), t), branches)
-        return tf.reshape(reduced, pending.shape)
+        if len(branches) == 1:
+            return branches[0]()
+        return tf.switch_case(tf.gather(tf.constant(schedule.phase, tf.int32), t), branches)
 
-    def _topk_reduce(self, step: "_Step", k: int, count: Optional[tf.Tensor] = None, suffix: str = "") -> tf.Tensor:
-        """One allgather of k-entry payloads (of which only the ``count`` largest are non-zero, when given) and
-        their sum as a flat dense tensor; updates residual, momentum buffer and counters."""
+    def _topk_reduce(self, step: "_Step", exchange: str, k: Union[int, Sequence[int]],
+                     t: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """The Top-K entries of every rank, exchanged by ``exchange`` ("allgather" or "sparse_allreduce"), summed
+        as a flat dense tensor; updates residual, momentum buffer and counters. ``k`` is the number of entries
+        per step, or with ``t`` (the step) the number at each step of a warm-up."""
         from horovod.tensorflow.mpi_ops import allgather
 
         world_size = step.process_set.size()
-        samples = sample_size(k, step.numel) if self.config.selector == "sampled" else 0
-        # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
-        layout = tensor_payload_layout(self.config, k, step.numel, step.wire_dtype.size)
+        value_itemsize = step.wire_dtype.size
+        if t is None:
+            assert isinstance(k, int)
+            size = sizes.fixed_sizes(self.config, k, step.numel, value_itemsize, world_size, exchange)
+        else:
+            assert not isinstance(k, int)
+            size = sizes.step_sizes(self.config, k, t, step.numel, value_itemsize, world_size, exchange)
+        layout = size.layout
         # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
         select_dtype = step.residual.dtype if layout.scaled else step.wire_dtype
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
+        # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
         indices, values, new_residual, new_momentum, finite = ops.error_feedback_step(
-            step.tensor, step.residual, k, select_dtype, samples, step.momentum, self.config.momentum)
-        if count is not None:
-            indices, values, new_residual = ops.keep_largest(indices, values, new_residual, count, finite)
-        # core.exchange's choice for a payload of k entries (a warm-up branch's k is its capacity; dense is decided
-        # by the schedule): the same as plan_tensor's once the warm-up is over
-        exchange, _ = choose_exchange(self.config.exchange, world_size, step.numel, k, step.wire_dtype.size,
-                                      step.tensor.dtype.size, dense_fallback=False, sparse_available=not layout.compact,
-                                      collective_latency_bytes=self.config.collective_latency_bytes)
+            step.tensor, step.residual, size.k, select_dtype, size.sampling, step.momentum, self.config.momentum)
         if exchange == SPARSE_ALLREDUCE:
-            return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, suffix)
+            assert size.sparse is not None
+            return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
         if layout.compact:
             payload, new_residual = encoding.encode(indices, values, new_residual, layout)
         else:
@@ -223,14 +240,14 @@ class TopKEF(TopKEFBase[Any]):
             updates.append(step.momentum.assign(new_momentum))
         with tf.control_dependencies(updates):
             payload = tf.identity(payload)
-        gathered = allgather(payload, name=allgather_name(step.name) + suffix, ignore_name_scope=True,
+        gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
         checks = [
             tf.debugging.assert_equal(
                 tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(step.name, world_size)
             ),
             step.counters.assign_add(tf.stack([
-                tf.constant(1, tf.int64), tf.constant(layout.nbytes, tf.int64),
+                tf.constant(1, tf.int64), tf.cast(layout.nbytes, tf.int64),
                 tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded])),
         ]
         with tf.control_dependencies(checks):
@@ -242,14 +259,15 @@ class TopKEF(TopKEFBase[Any]):
         return tf.cast(dense, step.tensor.dtype)
 
     def _sparse_allreduce(self, step: "_Step", indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor,
-                          new_momentum: Optional[tf.Tensor], finite: tf.Tensor, suffix: str) -> tf.Tensor:
+                          new_momentum: Optional[tf.Tensor], finite: tf.Tensor,
+                          layouts: sizes.SparseLayouts) -> tf.Tensor:
         """The rest of _topk_reduce under exchange "sparse_allreduce" (horovod_topk.tensorflow.sparse_allreduce):
         the residual is written after both phases, which put back into it the entries no owner applied."""
         dense, new_residual, sent_nbytes = sparse_allreduce.reduce(
-            indices, values, new_residual, numel=step.numel, wire_dtype=step.wire_dtype, name=step.name + suffix,
+            indices, values, new_residual, layouts, numel=step.numel, wire_dtype=step.wire_dtype, name=step.name,
             process_set=step.process_set)
         updates = [step.residual.assign(new_residual), step.counters.assign_add(tf.stack([
-            tf.constant(1, tf.int64), tf.constant(sent_nbytes, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
+            tf.constant(1, tf.int64), tf.cast(sent_nbytes, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
             1 - tf.cast(finite, tf.int64), step.guarded]))]
         if step.momentum is not None:
             updates.append(step.momentum.assign(new_momentum))

@@ -2,15 +2,18 @@
 
 The same bytes as the PyTorch encoder (horovod_topk/torch/encoding.py). TensorFlow casts to float8 e4m3fn but
 cannot bitcast it, so the byte of a float8 number is found in core's table of the 256 e4m3 values, and decoded by
-a lookup in the same table. Static shapes only (k, N and the layout are known when the graph is traced).
+a lookup in the same table. The layout's sizes are ints, or int32 scalars during a warm-up (sizes.StepLayout).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import tensorflow as tf
 
-from ..core.payload import FLOAT8_MAX, SEGMENT_BITS, PayloadLayout, float8_e4m3_values
+from ..core.payload import FLOAT8_MAX, SEGMENT_BITS, float8_e4m3_values
+
+if TYPE_CHECKING:
+    from .sizes import Layout
 
 __all__ = ["encode", "decode"]
 
@@ -36,7 +39,7 @@ def _float8_bytes(exact: tf.Tensor) -> tf.Tensor:
 
 
 def encode(
-    indices: tf.Tensor, values: tf.Tensor, residual: tf.Tensor, layout: PayloadLayout
+    indices: tf.Tensor, values: tf.Tensor, residual: tf.Tensor, layout: "Layout"
 ) -> Tuple[tf.Tensor, tf.Tensor]:
     """(payload, new residual) for one rank's selected ``indices`` and ``values``. With float8 the values must be
     exact (already removed from ``residual``); float8's rounding is added back there at those indices, non-finite
@@ -76,7 +79,7 @@ def encode(
 
 
 def decode(
-    gathered: tf.Tensor, world_size: int, layout: PayloadLayout, value_dtype: tf.DType
+    gathered: tf.Tensor, world_size: int, layout: "Layout", value_dtype: tf.DType
 ) -> Tuple[tf.Tensor, tf.Tensor]:
     """(indices int32, values), each (P, k), from a gathered buffer of P payloads of ``layout``: float8 values come
     back as float32 times their scale, others in ``value_dtype``."""

@@ -6,20 +6,24 @@ both frameworks.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import tensorflow as tf
 
-from ..core.payload import PayloadLayout
 from ..core.policy import CANDIDATE_MARGIN
+
+if TYPE_CHECKING:
+    from .sizes import Layout
 
 __all__ = [
     "residual_dtype",
+    "Size",
+    "Sampling",
+    "sample_geometry",
     "sampled_top_k_indices",
     "compensate_and_select",
     "compensate_nonfinite",
     "error_feedback_step",
-    "keep_largest",
     "pack",
     "unpack",
     "scatter_sum",
@@ -32,16 +36,31 @@ def residual_dtype(grad_dtype: tf.DType) -> tf.DType:
     return tf.float64 if grad_dtype == tf.float64 else tf.float32
 
 
-def sampled_top_k_indices(magnitude: tf.Tensor, k: int, sample_size: int) -> tf.Tensor:
-    """Indices of exactly k largest entries of ``magnitude`` (flat, static size), found without a full top-k:
-    a threshold from a strided sample (aiming at CANDIDATE_MARGIN * k candidates), the candidates above it, then
-    top-k among those; if the estimate left fewer than k candidates, the exact top-k over everything."""
-    n = int(magnitude.shape[0])
-    stride = max(1, n // max(1, sample_size))
-    sample = magnitude[::stride]
-    s = int(sample.shape[0])
-    q = max(1, min(s, math.ceil(min(n, CANDIDATE_MARGIN * k + 8) * s / n)))
-    threshold = tf.math.top_k(sample, q, sorted=True).values[q - 1]
+#: A size that follows k: a Python int when k is fixed, an int32 scalar tensor when it changes with the step
+#: inside one graph (the sparsity warm-up, horovod_topk.tensorflow.sizes).
+Size = Union[int, tf.Tensor]
+#: (stride, q) of the sampled selector (sample_geometry); None selects with the exact top-k.
+Sampling = Optional[Tuple[Size, Size]]
+
+
+def sample_geometry(numel: int, k: int, sample_size: int) -> Optional[Tuple[int, int]]:
+    """(stride, q) for the sampled selector on k of ``numel`` entries with about ``sample_size`` sampled
+    magnitudes: every stride-th magnitude is sampled and the q-th largest of them is the threshold, aiming at
+    CANDIDATE_MARGIN * k + 8 candidates. None when the exact top-k is the selector (no sample, or k == numel).
+    Plain integers, so that a warm-up can tabulate them per step (horovod_topk.tensorflow.sizes)."""
+    if sample_size <= 0 or k >= numel:
+        return None
+    stride = max(1, numel // max(1, sample_size))
+    sampled = -(-numel // stride)  # the length of magnitude[::stride]
+    q = max(1, min(sampled, math.ceil(min(numel, CANDIDATE_MARGIN * k + 8) * sampled / numel)))
+    return stride, q
+
+
+def sampled_top_k_indices(magnitude: tf.Tensor, k: Size, stride: Size, q: Size) -> tf.Tensor:
+    """Indices of exactly k largest entries of ``magnitude`` (flat), found without a full top-k: a threshold from
+    a strided sample (the q-th largest of every stride-th magnitude, see sample_geometry), the candidates above
+    it, then top-k among those; if the estimate left fewer than k candidates, the exact top-k over everything."""
+    threshold = tf.math.top_k(magnitude[::stride], q, sorted=True).values[q - 1]
     candidates = tf.reshape(tf.where(magnitude >= threshold), [-1])
 
     def among_candidates() -> tf.Tensor:
@@ -55,18 +74,18 @@ def sampled_top_k_indices(magnitude: tf.Tensor, k: int, sample_size: int) -> tf.
 
 
 def compensate_and_select(
-    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType, sample_size: int = 0
+    grad: tf.Tensor, residual: tf.Tensor, k: Size, wire_dtype: tf.DType, sampling: Sampling = None
 ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Error-feedback Top-K on one tensor: exact ``tf.math.top_k``, or the sampled selector when
-    ``sample_size`` > 0.
+    """Error-feedback Top-K on one tensor: exact ``tf.math.top_k``, or the sampled selector with ``sampling``'s
+    (stride, q).
 
     Returns (indices int32 (k,), values of ``wire_dtype`` (k,), new residual), where for every element
     ``new residual + sent == residual + grad`` and the rounding of the sent values to ``wire_dtype`` stays in the
     new residual.
     """
     compensated = residual + tf.cast(tf.reshape(grad, [-1]), residual.dtype)
-    if sample_size > 0 and k < int(compensated.shape[0]):
-        indices = sampled_top_k_indices(tf.abs(compensated), k, sample_size)
+    if sampling is not None:
+        indices = sampled_top_k_indices(tf.abs(compensated), k, *sampling)
     else:
         _, indices = tf.math.top_k(tf.abs(compensated), k=k, sorted=False)
     picked = tf.gather(compensated, indices)
@@ -78,7 +97,7 @@ def compensate_and_select(
 
 
 def compensate_nonfinite(
-    grad: tf.Tensor, residual: tf.Tensor, k: int, wire_dtype: tf.DType
+    grad: tf.Tensor, residual: tf.Tensor, k: Size, wire_dtype: tf.DType
 ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """The step of a gradient with NaN/Inf entries (same rule as the PyTorch kernel): those entries never enter
     the residual (a NaN there would never be sent nor leave) and are what is sent -- the first k of them, the
@@ -95,9 +114,9 @@ def compensate_nonfinite(
 def error_feedback_step(
     grad: tf.Tensor,
     residual: tf.Tensor,
-    k: int,
+    k: Size,
     wire_dtype: tf.DType,
-    sample_size: int = 0,
+    sampling: Sampling = None,
     momentum_buffer: Optional[tf.Tensor] = None,
     momentum: float = 0.0,
 ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, Optional[tf.Tensor], tf.Tensor]:
@@ -117,7 +136,7 @@ def error_feedback_step(
         grad = tf.where(entry_finite, new_momentum, flat)  # what enters the residual; the NaN/Inf stay as they are
     indices, values, new_residual = tf.cond(
         finite,
-        lambda: compensate_and_select(grad, residual, k, wire_dtype, sample_size),
+        lambda: compensate_and_select(grad, residual, k, wire_dtype, sampling),
         lambda: compensate_nonfinite(grad, residual, k, wire_dtype),
     )
     if new_momentum is not None:
@@ -126,38 +145,20 @@ def error_feedback_step(
     return indices, values, new_residual, new_momentum, finite
 
 
-def keep_largest(
-    indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor, count: tf.Tensor, finite: tf.Tensor
-) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """A selection of capacity c cut to its ``count`` largest-magnitude entries (count <= c, a tensor: it changes
-    with the step inside one graph): the others are sent as zeros and their values go back into the residual, so
-    ``new residual + sent == old residual + grad`` still holds. A non-finite step is left as it is (what it sends
-    is the NaN/Inf entries, none of which is in the residual)."""
-
-    def cut() -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-        order = tf.argsort(tf.abs(tf.cast(values, new_residual.dtype)), direction="DESCENDING", stable=True)
-        ordered_indices, ordered_values = tf.gather(indices, order), tf.gather(values, order)
-        keep = tf.range(tf.size(order)) < count
-        unsent = tf.where(keep, tf.zeros_like(ordered_values), ordered_values)
-        residual = tf.tensor_scatter_nd_add(new_residual, ordered_indices[:, None], tf.cast(unsent, new_residual.dtype))
-        return ordered_indices, ordered_values - unsent, residual
-
-    return tf.cond(finite, cut, lambda: (indices, values, new_residual))
-
-
 def _bytes_of(x: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.bitcast(x, tf.uint8), [-1])
 
 
-def pack(indices: tf.Tensor, values: tf.Tensor, layout: PayloadLayout) -> tf.Tensor:
-    """One uint8 buffer holding ``indices`` (int32) and ``values`` at the offsets of ``layout``."""
+def pack(indices: tf.Tensor, values: tf.Tensor, layout: "Layout") -> tf.Tensor:
+    """One uint8 buffer holding ``indices`` (int32) and ``values`` at the offsets of ``layout`` (a PayloadLayout, or a
+    sizes.StepLayout whose sizes change with the warm-up's step)."""
     pad_middle = tf.zeros([layout.values_offset - layout.indices_nbytes], tf.uint8)
     pad_end = tf.zeros([layout.nbytes - layout.values_end], tf.uint8)
     return tf.concat([_bytes_of(tf.cast(indices, tf.int32)), pad_middle, _bytes_of(values), pad_end], axis=0)
 
 
 def unpack(
-    gathered: tf.Tensor, world_size: int, layout: PayloadLayout, value_dtype: tf.DType
+    gathered: tf.Tensor, world_size: int, layout: "Layout", value_dtype: tf.DType
 ) -> Tuple[tf.Tensor, tf.Tensor]:
     """Indices (P, k) int32 and values (P, k) of a gathered buffer of P payloads."""
     rows = tf.reshape(gathered, [world_size, layout.nbytes])

@@ -12,6 +12,10 @@ gradients), keeps the ceil(k/P) largest sums of its region (non-finite sums firs
 would with a dense allreduce), keeps the rounding of each kept sum to the wire dtype in its own residual, and
 allgathers the kept (index, value) pairs. Every rank builds the same dense sum from them.
 
+With a sparsity warm-up, k changes from step to step inside one graph: ``layouts`` is then a
+horovod_topk.tensorflow.sizes.StepSparseLayouts whose sizes are looked up per step (the blocks' width, the kept
+slots), and the same ops serve every step's k; Horovod's alltoall and allgather accept the changing width.
+
 Error feedback stays exact: each rank returns to its residual its own sent entries at indices no owner kept, so over
 all ranks, new residuals + applied sum == old residuals + gradients up to float rounding
 (tests/parallel_tf/test_tf_sparse_allreduce.py). Non-finite values never enter a residual.
@@ -21,14 +25,16 @@ Horovod matches the collectives across ranks by name.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import TYPE_CHECKING, Any, Tuple
 
 import tensorflow as tf
 
-from ..core.exchange import HASH_MULTIPLIER, SparseAllreduceLayouts
+from ..core.exchange import HASH_MULTIPLIER
 from ..core.naming import alltoall_name, owners_allgather_name
-from ..core.payload import PayloadLayout
 from . import ops
+
+if TYPE_CHECKING:
+    from .sizes import Layout, SparseLayouts
 
 __all__ = ["regions", "reduce"]
 
@@ -49,7 +55,7 @@ def _add_to_residual(residual: tf.Tensor, indices: tf.Tensor, values: tf.Tensor)
                                     tf.where(keep, values, tf.zeros_like(values)))
 
 
-def _pack_rows(indices: tf.Tensor, values: tf.Tensor, layout: PayloadLayout) -> tf.Tensor:
+def _pack_rows(indices: tf.Tensor, values: tf.Tensor, layout: "Layout") -> tf.Tensor:
     """(rows, nbytes) uint8: row r is the payload of ``indices[r]`` (int32) and ``values[r]`` at ``layout``'s
     offsets -- ops.pack, one row per destination, so one alltoall with equal splits carries all of them."""
     rows = int(indices.shape[0])
@@ -65,7 +71,12 @@ def _pack_rows(indices: tf.Tensor, values: tf.Tensor, layout: PayloadLayout) -> 
     ], axis=1)
 
 
-def _size_check(received: tf.Tensor, expected: int, message: str) -> tf.Operation:
+def _minimum(a: ops.Size, b: ops.Size) -> ops.Size:
+    """min(a, b): a Python int for fixed sizes (static shapes stay static), an op for a warm-up's."""
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else tf.minimum(a, b)
+
+
+def _size_check(received: tf.Tensor, expected: ops.Size, message: str) -> tf.Operation:
     return tf.debugging.assert_equal(tf.size(received), expected, message=message)
 
 
@@ -73,30 +84,30 @@ def reduce(
     indices: tf.Tensor,
     values: tf.Tensor,
     residual: tf.Tensor,
+    layouts: "SparseLayouts",
     *,
     numel: int,
     wire_dtype: tf.DType,
     name: str,
     process_set: Any,
-) -> Tuple[tf.Tensor, tf.Tensor, int]:
+) -> Tuple[tf.Tensor, tf.Tensor, ops.Size]:
     """The sum over ranks of every rank's selected entries, as the sparse allreduce applies it.
 
     ``indices`` (k,) and ``values`` (k,) of ``wire_dtype`` are this rank's selection; ``residual`` is its residual
-    after the selection (the selected entries already removed). Returns (flat dense sum of the applied entries, in
+    after the selection (the selected entries already removed); ``layouts`` core.exchange.SparseAllreduceLayouts of
+    that k (or, in a warm-up, sizes.StepSparseLayouts). Returns (flat dense sum of the applied entries, in
     the residual's dtype; the residual with the entries this exchange did not apply put back, and the owner's
     rounding; the bytes this rank handed to the collectives).
     """
     from horovod.tensorflow.mpi_ops import allgather, alltoall
 
     world_size = process_set.size()
-    k = int(indices.shape[0])
+    k = layouts.k
     acc_dtype = residual.dtype
-    layouts = SparseAllreduceLayouts(k, world_size, wire_dtype.size, numel)
     send, kept = layouts.send, layouts.kept
     slots = world_size * send.k
 
-    # ---- phase 1: bucket by owner into fixed blocks (stable: within an owner the selection's order is kept, so a
-    # warm-up step's zero-valued padding, sorted last by ops.keep_largest, is what overflows first)
+    # ---- phase 1: bucket by owner into fixed blocks (stable: within an owner the selection's order is kept)
     indices = tf.cast(indices, tf.int32)
     owner = regions(indices, world_size)
     order = tf.argsort(owner, stable=True)
@@ -112,10 +123,11 @@ def reduce(
     blocks = _pack_rows(tf.reshape(block_indices, [world_size, send.k]),
                         tf.reshape(block_values, [world_size, send.k]), send)
     received = alltoall(blocks, name=alltoall_name(name), ignore_name_scope=True, process_set=process_set)
+    expected = f"{world_size} x {send.nbytes}, k={k}" if isinstance(k, int) else "this warm-up step's size"
     check = _size_check(received, world_size * send.nbytes, (
         f"horovod-topk: ranks disagree about tensor {name!r}: the sparse allreduce received another number of bytes "
-        f"than this rank expects ({world_size} x {send.nbytes}, k={k}). Check that every rank uses the same TopKEF "
-        f"configuration and the same model."))
+        f"than this rank expects ({expected}). Check that every rank uses the same TopKEF configuration and the "
+        f"same model."))
     with tf.control_dependencies([check]):
         got_indices, got_values = ops.unpack(tf.reshape(received, [-1]), world_size, send, wire_dtype)
 
@@ -130,13 +142,14 @@ def reduce(
                         tf.where(tf.math.is_finite(sums), tf.abs(sums), tf.fill([slots], tf.constant(float("inf"),
                                                                                                     acc_dtype))),
                         tf.fill([slots], tf.constant(-1.0, acc_dtype)))
-    top = tf.math.top_k(priority, min(kept.k, slots), sorted=False).indices
+    top = tf.math.top_k(priority, _minimum(kept.k, slots), sorted=False).indices
     valid = tf.gather(priority, top) >= 0
     kept_indices = tf.where(valid, tf.gather(owned, top), -1)
     kept_sums = tf.where(valid, tf.gather(sums, top), tf.zeros_like(valid, acc_dtype))
-    if kept.k > slots:  # more kept slots than entries received: the rest stay empty
-        kept_indices = tf.concat([kept_indices, tf.fill([kept.k - slots], -1)], 0)
-        kept_sums = tf.concat([kept_sums, tf.zeros([kept.k - slots], acc_dtype)], 0)
+    if not isinstance(kept.k, int) or kept.k > slots:  # more kept slots than entries received: the rest stay empty
+        empty = tf.maximum(kept.k - slots, 0)
+        kept_indices = tf.concat([kept_indices, tf.fill([empty], -1)], 0)
+        kept_sums = tf.concat([kept_sums, tf.zeros([empty], acc_dtype)], 0)
     kept_values = tf.cast(kept_sums, wire_dtype)
     # the owner re-sends its sums rounded to the wire dtype: the rounding stays here, in its residual
     residual = _add_to_residual(residual, kept_indices, kept_sums - tf.cast(kept_values, acc_dtype))

@@ -157,7 +157,7 @@ def test_spike_guard_is_validated(bad):
         TopKConfig(spike_guard=bad)
 
 
-def test_warmup_schedule_groups_the_warm_up_ks_into_a_few_payload_capacities():
+def test_warmup_schedule_gives_each_step_its_plan_and_one_branch_per_route():
     from horovod_topk.core.policy import plan_tensor, warmup_schedule
 
     config = TopKConfig(ratio=0.01, warmup_steps=10)
@@ -165,14 +165,12 @@ def test_warmup_schedule_groups_the_warm_up_ks_into_a_few_payload_capacities():
     plans = [plan_tensor("w", 100_000, True, config, world_size=2, step=t) for t in range(11)]
     assert len(schedule.phase) == len(schedule.count) == 11
     for t, plan in enumerate(plans):
-        capacity = schedule.capacities[schedule.phase[t]]
-        if plan.k is None:
-            assert capacity is None and schedule.count[t] == 0
-        else:
-            assert schedule.count[t] == plan.k and plan.k <= capacity < 2 * plan.k
-    assert schedule.capacities[schedule.phase[-1]] == schedule.count[-1] == 1000
-    # dense, then powers of two times the final k up to the dense crossover (k > N/2 on 2 workers): 2 + 6 at most
-    assert len(schedule.capacities) <= 2 + 6
+        assert schedule.routes[schedule.phase[t]] == plan.exchange
+        assert schedule.count[t] == (plan.k or 0)
+    # dense first (k > N/2 costs more than a ring allreduce on 2 workers), then the allgather: two branches, not
+    # one per payload size
+    assert schedule.routes == ("dense", "allgather") and schedule.count[-1] == 1000
+    assert schedule.count[0] == 0 and len({k for k in schedule.count if k}) >= 4  # one branch, many k
     assert warmup_schedule("b", 100, True, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None
 
 
@@ -193,5 +191,6 @@ def test_warmup_schedule_with_the_sparse_allreduce_keeps_large_warm_up_ks_compre
         plan = plan_tensor("w", 100_000, True, config, step=t, sparse_available=True, **args)
         assert sparse.count[t] == (plan.k or 0)
         assert plan.exchange == ("dense" if t in dense_with else "sparse_allreduce")
+        assert sparse.routes[sparse.phase[t]] == plan.exchange
         assert plain.count[t] in (0, sparse.count[t])
     assert sparse.count[-1] == plain.count[-1] == 1000

@@ -3,6 +3,7 @@ import math
 
 import horovod.tensorflow as hvd
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from horovod_topk.core.policy import SPIKE_GUARD_WARMUP_STEPS
@@ -90,38 +91,50 @@ def test_spike_guard_caps_a_spike_after_its_warm_up_and_keeps_it_out_of_the_resi
         np.testing.assert_array_equal(gathered[0][name], gathered[1][name])
 
 
-def test_warm_up_sends_each_steps_k_goes_dense_first_and_loses_nothing():
-    """Sparsity warm-up inside one traced graph: at each step at most that step's k (core plan_tensor) entries are
-    non-zero in what a rank sends, the early steps go dense, new residual + sent == old residual + gradient, and
-    the reduced gradient is the mean of what the ranks sent."""
-    from horovod_topk.core.policy import plan_tensor
+@pytest.mark.parametrize("options", [{}, {"index_bits": 16, "value_dtype": "float16"}, {"value_dtype": "float8"}])
+def test_warm_up_sends_each_steps_k_goes_dense_first_and_loses_nothing(options):
+    """Sparsity warm-up inside one traced graph, per step and tensor: exactly that step's k (core plan_tensor, which
+    PyTorch's TopKEF follows step by step) entries sent, in a payload of exactly k entries (bytes_sent), the early
+    steps dense; error feedback exact over the ranks: sum of new residuals + P * reduced == sum of old residuals +
+    gradients; the reduced gradient is the mean of what the ranks sent."""
+    from horovod_topk.core.policy import plan_tensor, tensor_payload_layout
 
-    config = dict(ratio=0.01, warmup_steps=6)
-    compressor = TopKEF(**config)
+    compressor = TopKEF(ratio=0.01, warmup_steps=6, **options)
+    itemsize = {"float16": 2, "float8": 1}.get(options.get("value_dtype"), 4)
     previous, routes = {}, []
 
     def record(step, names, local, reduced):
+        compressor.stats()  # reads the counter variables back into the records
         records = _records_by_shape(compressor)
         for name, g, out in zip(names, local, reduced):
             shape = tuple(g.shape)
             if shape not in COMPRESSED:
                 continue
             numel = int(np.prod(shape))
-            plan = plan_tensor(name, numel, True, compressor.config, world_size=hvd.size(), step=step)
-            r0 = previous.get(shape, np.zeros(numel, np.float32))
-            r1 = records[shape].residual.numpy().copy()
+            plan = plan_tensor(name, numel, True, compressor.config, world_size=hvd.size(), step=step,
+                               value_itemsize=itemsize, sparse_available=True)
+            r0, sent_before = previous.get(shape, (np.zeros(numel, np.float32), 0))
+            r1, sent_bytes = records[shape].residual.numpy().copy(), records[shape].bytes_sent
             sent = r0 + g.numpy().reshape(-1) - r1
             if plan.k is None:
                 np.testing.assert_array_equal(r1, 0)
+                assert sent_bytes - sent_before == numel * 4, (name, step)
             else:
-                assert np.count_nonzero(np.abs(sent) > 1e-6) <= plan.k, (name, step)
+                assert plan.exchange == "allgather"
+                assert np.count_nonzero(np.abs(sent) > 1e-6) == plan.k, (name, step)
+                nbytes = tensor_payload_layout(compressor.config, plan.k, numel, itemsize).nbytes
+                assert sent_bytes - sent_before == nbytes, (name, step, plan.k)
+            total = hvd.allreduce(tf.constant(np.stack([r0 + g.numpy().reshape(-1), r1])), op=hvd.Sum,
+                                  name=f"warmup.ef.{name}.{step}").numpy()
+            np.testing.assert_allclose(total[1] + hvd.size() * out.numpy().reshape(-1), total[0], rtol=0, atol=1e-5)
             mean = hvd.allreduce(tf.constant(sent), op=hvd.Average, name=f"warmup.sent.{name}.{step}").numpy()
             np.testing.assert_allclose(out.numpy().reshape(-1), mean, rtol=1e-5, atol=1e-6)
-            previous[shape] = r1
+            previous[shape] = (r1, sent_bytes)
             routes.append(plan.k)
 
     train_tape(compressor, steps=8, on_grads=record)
     # two compressed tensors per step; step 0 (ratio 1.0) goes dense: a ring allreduce moves fewer bytes than an
-    # allgather of k = N (core.exchange's cost model); from step 1 on they go Top-K, ending at k = 21
+    # allgather of k = N (core.exchange's cost model); from step 1 on they go Top-K, k shrinking to 21
     assert routes[:2] == [None] * 2 and all(k is not None for k in routes[2:]) and routes[-1] == 21
+    assert len(set(routes[2:])) >= 5, "k changes from step to step within one graph"
     assert compressor.stats()["steps"] == 8

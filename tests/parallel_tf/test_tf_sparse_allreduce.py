@@ -133,21 +133,32 @@ def test_auto_follows_the_cost_model():
         assert record.bytes_sent == expected, (record.shape, exchange)
 
 
-def test_warm_up_branches_keep_error_feedback_exact():
-    """With a sparsity warm-up every payload size is a branch of the graph; each takes the sparse allreduce."""
-    compressor = TopKEF(ratio=0.05, warmup_steps=2, **SPARSE)
+def test_warm_up_keeps_error_feedback_exact_and_sends_each_steps_bytes():
+    """With a sparsity warm-up one branch of the graph serves every step's k by the sparse allreduce: per step,
+    error feedback exact over all ranks and exactly the bytes of core's layouts for that step's k."""
+    from horovod_topk.core.policy import plan_tensor
+
+    compressor = TopKEF(ratio=0.05, warmup_steps=3, **SPARSE)
     reduce = _reducer([(3000,)], compressor, hvd.Sum)
     rng = np.random.RandomState(hvd.rank())
-    old = np.zeros(3000)
-    for step in range(3):
+    old, sent_before, ks = np.zeros(3000), 0, []
+    for step in range(5):
         grad = rng.randn(3000).astype(np.float32)
         (out,) = reduce([tf.constant(grad)])
         (new,) = _residuals_by_shape(compressor).values()
         before = hvd.allreduce(tf.constant(old + grad), op=hvd.Sum, name=f"warm.before.{step}").numpy()
         residuals = hvd.allreduce(tf.constant(new), op=hvd.Sum, name=f"warm.res.{step}").numpy()
         np.testing.assert_allclose(residuals + out.numpy().astype(np.float64), before, rtol=0, atol=1e-4)
-        old = new
-    assert compressor.stats()["steps"] == 3
+        plan = plan_tensor("v", 3000, True, compressor.config, world_size=hvd.size(), step=step,
+                           sparse_available=True)
+        compressor.stats()
+        (record,) = [r for _, r in compressor.registry if r.residual is not None]
+        assert plan.exchange == "sparse_allreduce"
+        assert record.bytes_sent - sent_before == SparseAllreduceLayouts(plan.k, hvd.size(), 4, 3000).sent_nbytes
+        old, sent_before = new, record.bytes_sent
+        ks.append(plan.k)
+    assert len(set(ks)) == 4 and ks[-1] == 150  # one graph, four sizes
+    assert compressor.stats()["steps"] == 5
 
 
 def test_ranks_that_disagree_about_the_exchange_raise_on_every_rank():

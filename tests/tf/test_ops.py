@@ -77,7 +77,8 @@ def test_sampled_selector_returns_exactly_the_top_k(ratio):
     n = 100_000
     k = int(np.ceil(ratio * n))
     magnitude = np.abs(rng.standard_t(2, n)).astype(np.float32)
-    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), k, max(2048, int(100 / ratio))).numpy()
+    geometry = ops.sample_geometry(n, k, max(2048, int(100 / ratio)))
+    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), k, *geometry).numpy()
     assert len(set(chosen.tolist())) == k
     assert magnitude[chosen].min() >= np.sort(magnitude)[-k]
 
@@ -86,7 +87,7 @@ def test_sampled_selector_falls_back_when_the_sample_misleads():
     magnitude = np.zeros(10_000, np.float32)
     magnitude[1::2] = 1.0  # the strided sample (even positions) sees only zeros... and then everything is >= 0
     magnitude[7] = 5.0
-    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), 3, 64).numpy()
+    chosen = ops.sampled_top_k_indices(tf.constant(magnitude), 3, *ops.sample_geometry(10_000, 3, 64)).numpy()
     assert 7 in chosen.tolist() and len(set(chosen.tolist())) == 3
 
 
@@ -97,7 +98,7 @@ def test_nonfinite_gradient_entries_are_sent_and_never_enter_the_residual(bad):
     grad[[7, 4000]] = bad
     residual = np.random.default_rng(1).standard_normal(n).astype(np.float32)
     indices, values, new_residual, momentum, finite = ops.error_feedback_step(
-        tf.constant(grad), tf.constant(residual), k, tf.float32, sample_size=1024
+        tf.constant(grad), tf.constant(residual), k, tf.float32, sampling=ops.sample_geometry(n, k, 1024)
     )
     assert momentum is None
     assert not bool(finite)
@@ -117,7 +118,7 @@ def _momentum_case(bad=None):
         grad[[7, 300]] = bad
     residual = (rng.randn(500) * 0.1).astype(np.float32)
     momentum = (rng.randn(500) * 0.5).astype(np.float32)
-    out = ops.error_feedback_step(tf.constant(grad), tf.constant(residual), 20, tf.float32, 0, tf.constant(momentum),
+    out = ops.error_feedback_step(tf.constant(grad), tf.constant(residual), 20, tf.float32, None, tf.constant(momentum),
                                   0.9)
     return grad, residual, momentum, [None if t is None else t.numpy() for t in out]
 
@@ -142,17 +143,3 @@ def test_momentum_correction_keeps_nonfinite_entries_out_of_both_buffers():
     assert not finite and set(indices.tolist()) == {7, 300} and np.isnan(values).all()
     np.testing.assert_allclose(new_momentum, velocity, rtol=1e-6)
     np.testing.assert_allclose(new_residual, residual + np.where(finite_entries, velocity, 0), rtol=1e-6)
-
-
-def test_a_payload_cut_to_count_sends_the_largest_and_keeps_the_rest_in_the_residual():
-    rng = np.random.RandomState(5)
-    grad, residual = rng.randn(400).astype(np.float32), (rng.randn(400) * 0.1).astype(np.float32)
-    indices, values, new_residual, _, finite = ops.error_feedback_step(tf.constant(grad), tf.constant(residual), 40,
-                                                                       tf.float32)
-    cut_indices, cut_values, cut_residual = (t.numpy() for t in ops.keep_largest(
-        indices, values, new_residual, tf.constant(25), finite))
-    sent = np.zeros(400, np.float32)
-    np.add.at(sent, cut_indices, cut_values)
-    assert np.count_nonzero(cut_values) == 25 and cut_indices.shape == (40,)
-    assert set(cut_indices[:25].tolist()) == set(np.argsort(-np.abs(residual + grad))[:25].tolist())
-    np.testing.assert_allclose(sent + cut_residual, residual + grad, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,140 @@
+"""The sizes one compressed step is built with, as functions of its k: Python ints when k is fixed, int32 scalars
+looked up by step when the sparsity warm-up changes k from step to step inside one traced graph.
+
+Why: a traced graph has fixed ops. The warm-up used to give each payload size its own ``tf.switch_case`` branch,
+each a full copy of the compressed path (selection, packing, collective, decoding): 19x dense's first-step cost on
+ResNet-50 (README, "First-step (tracing) cost"). TensorFlow's top_k, fills, reshapes and slices take their sizes
+as tensors, and Horovod's allgather and alltoall accept a first dimension that changes between calls, so one copy
+of the path serves every k when its sizes are looked up per step. Every rank looks up the same step of the same
+table, so all payloads of a collective have the same size.
+
+The sizes stay core's: the PayloadLayout, SparseAllreduceLayouts and sampled-selector geometry of each step's k
+are computed in Python and tabulated, never re-derived in TensorFlow ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import tensorflow as tf
+
+from ..core.config import TopKConfig
+from ..core.exchange import SPARSE_ALLREDUCE, SparseAllreduceLayouts
+from ..core.payload import PayloadLayout
+from ..core.policy import sample_size, tensor_payload_layout
+from . import ops
+
+__all__ = ["StepLayout", "StepSparseLayouts", "Sizes", "fixed_sizes", "step_sizes"]
+
+
+def _lookup(values: Sequence[int], step: tf.Tensor) -> tf.Tensor:
+    """values[step] as an int32 scalar in the graph."""
+    return tf.gather(tf.constant(list(values), tf.int32), step)
+
+
+def _same(values: Sequence[object], what: str) -> object:
+    distinct = set(values)
+    if len(distinct) != 1:
+        raise AssertionError(f"horovod-topk: {what} changes with k ({sorted(map(str, distinct))})")
+    return distinct.pop()
+
+
+class StepLayout:
+    """A PayloadLayout whose k-dependent sizes are int32 scalars: the layout of ``layouts[step]``, for the ops
+    of horovod_topk.tensorflow.ops and .encoding, which take either. The parts that depend on the tensor and the
+    options only (index width, segments, scale) are plain ints, equal in every step's layout."""
+
+    _FIXED = ("value_itemsize", "numel", "index_bits", "scaled", "scale_nbytes", "segments", "counts_offset",
+              "index_itemsize", "indices_offset", "compact")
+    _PER_STEP = ("k", "indices_end", "indices_nbytes", "values_offset", "values_nbytes", "values_end", "nbytes")
+
+    value_itemsize: int
+    numel: int
+    index_bits: int
+    scaled: bool
+    scale_nbytes: int
+    segments: int
+    counts_offset: int
+    index_itemsize: int
+    indices_offset: int
+    compact: bool
+    k: tf.Tensor
+    indices_end: tf.Tensor
+    indices_nbytes: tf.Tensor
+    values_offset: tf.Tensor
+    values_nbytes: tf.Tensor
+    values_end: tf.Tensor
+    nbytes: tf.Tensor
+
+    def __init__(self, layouts: Sequence[PayloadLayout], step: tf.Tensor) -> None:
+        for name in self._FIXED:
+            setattr(self, name, _same([getattr(layout, name) for layout in layouts], name))
+        for name in self._PER_STEP:
+            setattr(self, name, _lookup([getattr(layout, name) for layout in layouts], step))
+
+    def mismatch_message(self, tensor_name: str, world_size: int) -> str:
+        return (f"horovod-topk: ranks disagree about tensor {tensor_name!r}: the gathered payloads are not "
+                f"{world_size} of this warm-up step's size ({self.index_bits}-bit indices, {self.value_itemsize}-byte "
+                f"values). Check that every rank uses the same TopKEF configuration, the same model, and the same "
+                f"step count (a checkpoint restored on some ranks only?).")
+
+
+class StepSparseLayouts:
+    """SparseAllreduceLayouts of ``layouts[step]``: its ``send`` and ``kept`` as StepLayouts, its k and the bytes
+    one rank hands to the collectives as int32 scalars."""
+
+    def __init__(self, layouts: Sequence[SparseAllreduceLayouts], step: tf.Tensor) -> None:
+        self.k = _lookup([layout.k for layout in layouts], step)
+        self.send = StepLayout([layout.send for layout in layouts], step)
+        self.kept = StepLayout([layout.kept for layout in layouts], step)
+        self.sent_nbytes = _lookup([layout.sent_nbytes for layout in layouts], step)
+
+
+Layout = Union[PayloadLayout, StepLayout]
+SparseLayouts = Union[SparseAllreduceLayouts, StepSparseLayouts]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the compressed path of one tensor needs to know about k.
+
+    ``k``: entries selected; ``layout``: the allgather payload's layout; ``sampling``: the sampled selector's
+    (stride, q), None for the exact top-k; ``sparse``: the sparse allreduce's layouts (None under the allgather).
+    """
+
+    k: ops.Size
+    layout: Layout
+    sampling: ops.Sampling
+    sparse: Optional[SparseLayouts]
+
+
+def _sampling(config: TopKConfig, k: int, numel: int) -> Optional[tuple]:
+    samples = sample_size(k, numel) if config.selector == "sampled" else 0
+    return ops.sample_geometry(numel, k, samples)
+
+
+def fixed_sizes(config: TopKConfig, k: int, numel: int, value_itemsize: int, world_size: int,
+                exchange: str) -> Sizes:
+    """The sizes of a tensor whose k never changes: Python ints, the graph holds static shapes."""
+    sparse = SparseAllreduceLayouts(k, world_size, value_itemsize, numel) if exchange == SPARSE_ALLREDUCE else None
+    return Sizes(k, tensor_payload_layout(config, k, numel, value_itemsize), _sampling(config, k, numel), sparse)
+
+
+def step_sizes(config: TopKConfig, counts: Sequence[int], step: tf.Tensor, numel: int, value_itemsize: int,
+               world_size: int, exchange: str) -> Sizes:
+    """The sizes of step ``step`` (a scalar tensor) when step t selects ``counts[t]`` entries.
+
+    Steps with count 0 go dense on another branch: their rows hold the last count's sizes, never used. With the
+    sampled selector every row samples (a k == numel step too: its threshold is then the smallest sampled
+    magnitude, whose candidates, or the exact fallback, are all entries), so the selection is one path."""
+    filler = next(k for k in reversed(counts) if k)
+    ks = [k or filler for k in counts]
+    sampling = None
+    if config.selector == "sampled":
+        geometry = [_sampling(config, k, numel) or (1, numel) for k in ks]
+        sampling = (_lookup([g[0] for g in geometry], step), _lookup([g[1] for g in geometry], step))
+    sparse = None
+    if exchange == SPARSE_ALLREDUCE:
+        sparse = StepSparseLayouts([SparseAllreduceLayouts(k, world_size, value_itemsize, numel) for k in ks], step)
+    return Sizes(_lookup(ks, step), StepLayout([tensor_payload_layout(config, k, numel, value_itemsize) for k in ks],
+                                               step), sampling, sparse)
