@@ -31,7 +31,7 @@ from ..core import (
     reduction_scale,
 )
 from ..core.exchange import DENSE, SPARSE_ALLREDUCE
-from . import encoding, ops, sizes, sparse_allreduce
+from . import encoding, ops, shared, sizes, sparse_allreduce
 from .telemetry import GraphTelemetry, adapt_writer
 
 __all__ = ["TopKEF"]
@@ -224,15 +224,17 @@ class TopKEF(TopKEFBase[Any]):
         select_dtype = step.residual.dtype if layout.scaled else step.wire_dtype
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
-        indices, values, new_residual, new_momentum, finite = ops.error_feedback_step(
-            step.tensor, step.residual, size.k, select_dtype, size.sampling, step.momentum, self.config.momentum)
+        # shared.call: one traced body per distinct size and options, not one copy per tensor (issue 13)
+        indices, values, new_residual, new_momentum, finite = shared.call(
+            ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype,
+            size.sampling, step.momentum, self.config.momentum)
         if exchange == SPARSE_ALLREDUCE:
             assert size.sparse is not None
             return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
         if layout.compact:
-            payload, new_residual = encoding.encode(indices, values, new_residual, layout)
+            payload, new_residual = shared.call(encoding.encode, indices, values, new_residual, layout)
         else:
-            payload = ops.pack(indices, values, layout)
+            payload = shared.call(ops.pack, indices, values, layout)
         if started is not None:
             payload = self._telemetry.timed(step.name, started, payload)
         updates = [step.residual.assign(new_residual)]
@@ -243,20 +245,17 @@ class TopKEF(TopKEFBase[Any]):
         gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
         checks = [
-            tf.debugging.assert_equal(
-                tf.size(gathered), world_size * layout.nbytes, message=layout.mismatch_message(step.name, world_size)
-            ),
+            # tf.debugging.Assert, not assert_equal: the same check in 4 graph nodes instead of 17
+            tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * layout.nbytes),
+                                [layout.mismatch_message(step.name, world_size)]),
             step.counters.assign_add(tf.stack([
                 tf.constant(1, tf.int64), tf.cast(layout.nbytes, tf.int64),
                 tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded])),
         ]
         with tf.control_dependencies(checks):
-            unpack = encoding.decode if layout.compact else ops.unpack
-            all_indices, all_values = unpack(gathered, world_size, layout, step.wire_dtype)
-        dense = ops.scatter_sum(all_indices, all_values, step.numel, step.residual.dtype)
-        if step.scale != 1.0:
-            dense = dense * tf.cast(step.scale, dense.dtype)
-        return tf.cast(dense, step.tensor.dtype)
+            gathered = tf.identity(gathered)
+        return shared.call(ops.sum_payloads, gathered, world_size, layout, step.wire_dtype, step.numel,
+                           step.residual.dtype, step.scale, step.tensor.dtype)
 
     def _sparse_allreduce(self, step: "_Step", indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor,
                           new_momentum: Optional[tf.Tensor], finite: tf.Tensor,

@@ -27,6 +27,7 @@ __all__ = [
     "pack",
     "unpack",
     "scatter_sum",
+    "sum_payloads",
 ]
 
 
@@ -167,6 +168,22 @@ def unpack(
         rows[:, layout.values_offset : layout.values_end], [world_size, layout.k, layout.value_itemsize]
     )
     return tf.bitcast(index_bytes, tf.int32), tf.bitcast(value_bytes, value_dtype)
+
+
+def sum_payloads(
+    gathered: tf.Tensor, world_size: int, layout: "Layout", value_dtype: tf.DType, numel: int, acc_dtype: tf.DType,
+    scale: float, out_dtype: tf.DType
+) -> tf.Tensor:
+    """The flat dense sum of P gathered payloads (plain or compact, encoding.decode), times ``scale``, as
+    ``out_dtype``: one function so that tensors of the same size share its trace (horovod_topk.tensorflow.shared)."""
+    from . import encoding
+
+    unpacked = encoding.decode if layout.compact else unpack
+    all_indices, all_values = unpacked(gathered, world_size, layout, value_dtype)
+    dense = scatter_sum(all_indices, all_values, numel, acc_dtype)
+    if scale != 1.0:
+        dense = dense * tf.cast(scale, dense.dtype)
+    return tf.cast(dense, out_dtype)
 
 
 def scatter_sum(indices: tf.Tensor, values: tf.Tensor, numel: int, acc_dtype: tf.DType) -> tf.Tensor:

@@ -1,0 +1,73 @@
+"""horovod_topk.tensorflow.shared: one traced body per distinct signature, same results as a direct call."""
+import numpy as np
+import tensorflow as tf
+
+from horovod_topk.core.payload import payload_layout
+from horovod_topk.tensorflow import ops, shared
+
+
+def _graph_nodes(concrete, op_type: str) -> int:
+    graph = concrete.graph.as_graph_def()
+    return (sum(n.op == op_type for n in graph.node)
+            + sum(n.op == op_type for f in graph.library.function for n in f.node_def))
+
+
+def test_equal_signatures_share_one_trace_and_match_the_direct_call():
+    rng = np.random.RandomState(0)
+    grads = [tf.constant(rng.randn(n).astype(np.float32)) for n in (300, 300, 300, 400)]
+    residual = tf.Variable(rng.randn(300).astype(np.float32))
+    before = shared.traced_count()
+
+    @tf.function
+    def step():
+        return [shared.call(ops.error_feedback_step, g, residual if g.shape[0] == 300 else tf.zeros([400]), 3,
+                            tf.float32, (5, 4)) for g in grads]
+
+    got = step()
+    # three 300-entry tensors share one function; the 400-entry one has another
+    assert shared.traced_count() - before == 2
+    assert _graph_nodes(step.get_concrete_function(), "TopKV2") == 2 * _graph_nodes(
+        tf.function(lambda: ops.error_feedback_step(grads[0], residual, 3, tf.float32, (5, 4))).get_concrete_function(),
+        "TopKV2")
+    for g, out in zip(grads, got):
+        want = ops.error_feedback_step(g, residual if g.shape[0] == 300 else tf.zeros([400]), 3, tf.float32, (5, 4))
+        for a, b in zip(out, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_tensors_nested_in_arguments_are_inputs_and_layouts_are_fixed():
+    layout = payload_layout(4, 100, 4)
+    before = shared.traced_count()
+
+    @tf.function
+    def pack(step):
+        # k and the sampling geometry as tensors (the warm-up's case): inputs, not part of the trace's key
+        k = tf.constant(4) + 0 * step
+        return (shared.call(ops.pack, tf.range(4), tf.ones([4]), layout),
+                shared.call(ops.error_feedback_step, tf.ones([100]), tf.zeros([100]), k, tf.float32,
+                            (tf.constant(3), tf.constant(2))))
+
+    payload, _ = pack(tf.constant(0))
+    assert shared.traced_count() - before == 2
+    np.testing.assert_array_equal(payload.numpy(), ops.pack(tf.range(4), tf.ones([4]), layout).numpy())
+
+
+def test_other_values_and_eager_calls_run_directly():
+    before = shared.traced_count()
+    seen = []
+
+    def fn(x, marker):
+        seen.append(marker)
+        return x + 1
+
+    marker = object()  # not a plain value: nothing to key a shared trace on
+
+    @tf.function
+    def traced():
+        return shared.call(fn, tf.ones([2]), marker)
+
+    np.testing.assert_array_equal(traced().numpy(), [2, 2])
+    np.testing.assert_array_equal(shared.call(fn, tf.ones([2]), 7).numpy(), [2, 2])  # eager
+    assert shared.traced_count() == before and seen == [marker, 7]
