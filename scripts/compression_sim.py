@@ -261,7 +261,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     """One simulated run. ``spec`` is a method (make_method), optionally followed by '@dense=a,b': parameters
     whose names contain a or b go dense (a diagnosis of which tensors the compression hurts). ``diagnose``:
     per-tensor numbers (Diagnosis) in the result's "diagnosis"."""
-    method_spec, _, extra = spec.partition("@dense=")
+    spec_head, _, boost = spec.partition("@boost=")
+    method_spec, _, extra = spec_head.partition("@dense=")
     method_spec, _, byte_sched = method_spec.partition("+sched:")
     method_spec, _, drip_cap = method_spec.partition("+drip:")
     method = make_method(method_spec)
@@ -276,6 +277,20 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     model, opt, sched = task.build(seed, steps)
     names = [n for n, _ in model.named_parameters()]
     params = [p for p in model.parameters()]
+    # '@boost=NAME:F': tensors whose names contain NAME send F times their share of entries, the other compressed
+    # tensors proportionally fewer, so that the model's entries per step (hence its bytes) stay the same
+    factors = [1.0] * len(params)
+    if boost:
+        boosted_name, factor = boost.split(":")
+        compressed = [i for i, p in enumerate(params) if p.numel() >= min_numel]
+        hit = [i for i in compressed if boosted_name in names[i]]
+        hit_numel = sum(params[i].numel() for i in hit)
+        rest_numel = sum(params[i].numel() for i in compressed if i not in hit)
+        low_factor = (hit_numel + rest_numel - float(factor) * hit_numel) / rest_numel
+        if not hit or low_factor <= 0:
+            raise ValueError(f"boost {boost!r}: no tensor named so, or more than the whole budget")
+        for i in compressed:
+            factors[i] = float(factor) if i in hit else low_factor
     residuals = [[torch.zeros(p.numel()) for p in params] for _ in range(workers)]
     gens = [torch.Generator().manual_seed(seed * 100 + w) for w in range(workers)]
     bytes_sent = 0.0
@@ -284,8 +299,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     evals: List[int] = []
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        if "scale" in method:
-            method["scale"][0] = high if step <= front * steps else low
+        step_scale = high if step <= front * steps else low
         grads = []
         for w in range(workers):
             model.zero_grad(set_to_none=True)
@@ -312,6 +326,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                     a -= applied
                 bytes_sent += nbytes * workers
             else:
+                if "scale" in method:
+                    method["scale"][0] = step_scale * factors[i]
                 sent = [method["fn"](a) for a in accs]
                 for a, s_ in zip(accs, sent):
                     a -= s_
