@@ -141,14 +141,14 @@ def sparse_allreduce(accs: List[torch.Tensor], ratio: float, keep_factor: float)
     every worker takes back into its accumulator only its entries that were applied. Returns the applied average
     and the bytes one worker hands to the two collectives (P capacity blocks and its kept sums, 8 bytes an entry,
     as SparseAllreduceLayouts.sent_nbytes; the other methods count what they hand over too)."""
-    from horovod_topk.core.exchange import capacity, kept_per_owner
+    from horovod_topk.core.exchange import HASH_MULTIPLIER, capacity, kept_per_owner
 
     workers = len(accs)
     n = accs[0].numel()
     k = max(1, math.ceil(ratio * n))
     cap = capacity(k, workers, n)
     kept = min(n, math.ceil(keep_factor * kept_per_owner(k, workers)))
-    region = ((torch.arange(n, dtype=torch.int64) * 2654435761) & 0xFFFFFFFF) * workers >> 32
+    region = ((torch.arange(n, dtype=torch.int64) * HASH_MULTIPLIER) & 0xFFFFFFFF) * workers >> 32
     sums = torch.zeros(n)
     sent = []
     for a in accs:

@@ -62,7 +62,14 @@ from dataclasses import dataclass, replace
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from .config import TopKConfig
-from .exchange import ALLGATHER, DENSE, SPARSE_ALLREDUCE, allgather_exchange_nbytes, dense_nbytes, exchange_nbytes
+from .exchange import (
+    ALLGATHER,
+    COLLECTIVES,
+    DENSE,
+    allgather_exchange_nbytes,
+    dense_nbytes,
+    exchange_nbytes,
+)
 from .policy import plan_tensor, tensor_payload_layout
 
 __all__ = [
@@ -218,8 +225,8 @@ def _collectives(routes: Iterable[TensorRoute], method: str, world_size: int, gr
     if has_dense:
         fused = len([r for r in routes if r.route == DENSE]) if link.fusion_threshold_bytes == 0 else max(
             1, math.ceil(dense_bytes / link.fusion_threshold_bytes))
-    per_tensor = {ALLGATHER: 1, SPARSE_ALLREDUCE: 2}
-    return fused + sum(per_tensor.get(r.route, 0) for r in routes)
+    # dense tensors are counted fused above; a compressed one launches its exchange's own collectives
+    return fused + sum(COLLECTIVES[r.route] for r in routes if r.route != DENSE)
 
 
 def comm_time(nbytes: float, collectives: int, link: Link) -> float:
