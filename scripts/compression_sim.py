@@ -49,8 +49,7 @@ def quantize(values: torch.Tensor, bits: int) -> torch.Tensor:
         return values.sign() * values.abs().mean()
     if bits == 8:  # float8 e4m3 with a per-tensor scale that maps the largest magnitude to e4m3's largest (448)
         scale = values.abs().max() / 448.0
-        if scale == 0:
-            return values
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zero: any scale; no host sync on a GPU
         return (values / scale).to(torch.float8_e4m3fn).float() * scale
     levels = 2 ** (bits - 1) - 1  # e.g. 4 bits: symmetric uniform
     scale = values.abs().max() / levels
@@ -63,7 +62,7 @@ def block_topm(acc: torch.Tensor, block: int, m: int, value_bits: int) -> torch.
     """Top-m magnitudes of every block of ``block`` consecutive entries (the tail padded)."""
     n = acc.numel()
     nb = -(-n // block)
-    padded = torch.zeros(nb * block, dtype=acc.dtype)
+    padded = acc.new_zeros(nb * block)
     padded[:n] = acc
     rows = padded.view(nb, block)
     idx = rows.abs().topk(m, dim=1, sorted=False).indices
@@ -82,7 +81,7 @@ def powersgd(accs: List[torch.Tensor], shape: torch.Size, rank: int, state: dict
     r = min(rank, n, m)
     q = state.get(key)
     if q is None:
-        q = torch.randn(m, r, generator=torch.Generator().manual_seed(key))
+        q = torch.randn(m, r, generator=torch.Generator().manual_seed(key)).to(accs[0].device)
     mats = [a.view(n, m) for a in accs]
     p = sum(mw @ q for mw in mats) / len(mats)
     p, _ = torch.linalg.qr(p)
@@ -121,7 +120,7 @@ class Drip:
         if key not in self.buffers:
             self.buffers[key] = torch.zeros_like(received)
             self.rates[key] = torch.zeros_like(received)
-            self.last[key] = torch.zeros(received.numel(), dtype=torch.int64)
+            self.last[key] = torch.zeros(received.numel(), dtype=torch.int64, device=received.device)
         buf, rate, last = self.buffers[key], self.rates[key], self.last[key]
         arrived = received != 0
         buf += received
@@ -133,6 +132,19 @@ class Drip:
         buf -= paid
         rate[buf == 0] = 0
         return paid
+
+
+def _rank_within_region(idx: torch.Tensor, magnitude: torch.Tensor, region: torch.Tensor, workers: int) -> torch.Tensor:
+    """For each index, its place (0 = largest magnitude) among the indices of its own region: one sort by
+    magnitude, a stable sort by region, no per-region loop (no host round trip on a GPU)."""
+    by_size = torch.argsort(magnitude, descending=True, stable=True)
+    by_region = by_size[torch.argsort(region[idx[by_size]], stable=True)]
+    owners = region[idx[by_region]]
+    counts = torch.bincount(owners, minlength=workers)
+    place = torch.arange(idx.numel(), device=idx.device) - (torch.cumsum(counts, 0) - counts)[owners]
+    out = torch.empty_like(place)
+    out[by_region] = place
+    return out
 
 
 def sparse_allreduce(accs: List[torch.Tensor], ratio: float, keep_factor: float) -> Tuple[torch.Tensor, int]:
@@ -148,28 +160,18 @@ def sparse_allreduce(accs: List[torch.Tensor], ratio: float, keep_factor: float)
     k = max(1, math.ceil(ratio * n))
     cap = capacity(k, workers, n)
     kept = min(n, math.ceil(keep_factor * kept_per_owner(k, workers)))
-    region = ((torch.arange(n, dtype=torch.int64) * HASH_MULTIPLIER) & 0xFFFFFFFF) * workers >> 32
-    sums = torch.zeros(n)
+    region = ((torch.arange(n, dtype=torch.int64, device=accs[0].device) * HASH_MULTIPLIER) & 0xFFFFFFFF) * workers >> 32
+    sums = accs[0].new_zeros(n)
     sent = []
-    for a in accs:
+    for a in accs:  # over capacity: the largest go, the rest wait in the residual
         idx = a.abs().topk(k, sorted=False).indices
-        chosen = []
-        for j in range(workers):  # over capacity: the largest go, the rest wait in the residual
-            mine = idx[region[idx] == j]
-            if mine.numel() > cap:
-                mine = mine[a[mine].abs().topk(cap, sorted=False).indices]
-            chosen.append(mine)
-        chosen = torch.cat(chosen)
+        chosen = idx[_rank_within_region(idx, a[idx].abs(), region, workers) < cap]
         sums.index_add_(0, chosen, a[chosen])
         sent.append(chosen)
-    applied_mask = torch.zeros(n, dtype=torch.bool)
-    for j in range(workers):
-        owned = (region == j).nonzero().squeeze(1)
-        owned = owned[sums[owned] != 0]
-        if owned.numel() > kept:
-            owned = owned[sums[owned].abs().topk(kept, sorted=False).indices]
-        applied_mask[owned] = True
-    applied = torch.where(applied_mask, sums, torch.zeros(()))
+    applied_mask = torch.zeros(n, dtype=torch.bool, device=accs[0].device)
+    summed = (sums != 0).nonzero().squeeze(1)  # each owner keeps its region's largest sums
+    applied_mask[summed[_rank_within_region(summed, sums[summed].abs(), region, workers) < kept]] = True
+    applied = torch.where(applied_mask, sums, sums.new_zeros(()))
     for a, chosen in zip(accs, sent):
         back = chosen[applied_mask[chosen]]
         a[back] = 0  # applied: leaves the residual
@@ -228,7 +230,7 @@ class Diagnosis:
         self.ratios: Dict[int, List[float]] = {}
 
     def record(self, key: int, applied: torch.Tensor, residuals: List[torch.Tensor], step: int) -> None:
-        last = self.last.setdefault(key, torch.zeros(applied.numel(), dtype=torch.int32))
+        last = self.last.setdefault(key, torch.zeros(applied.numel(), dtype=torch.int32, device=applied.device))
         hit = applied != 0
         self.intervals.setdefault(key, []).append((step - last[hit]).to(torch.int32))
         last[hit] = step
@@ -265,7 +267,12 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     method_spec, _, extra = spec_head.partition("@dense=")
     method_spec, _, byte_sched = method_spec.partition("+sched:")
     method_spec, _, drip_cap = method_spec.partition("+drip:")
+    method_spec, _, flush = method_spec.partition("+flush:")
     method = make_method(method_spec)
+    # '+flush:T:BITS': every T-th step each worker also sends its whole residual (after this step's selection) dense,
+    # its values in BITS (quantize); what the quantization loses stays in the residual: bounded staleness, no index
+    # bytes, numel * BITS / 8 bytes every T steps
+    flush_every, flush_bits = (int(x) for x in flush.split(":")) if flush else (0, 32)
     # '+sched:F:H': the first fraction F of the steps send H times the entries, the rest fewer, the same bytes in all
     front, high = (float(x) for x in byte_sched.split(":")) if byte_sched else (0.0, 1.0)
     low = (1.0 - front * high) / (1.0 - front) if byte_sched else 1.0
@@ -291,7 +298,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
             raise ValueError(f"boost {boost!r}: no tensor named so, or more than the whole budget")
         for i in compressed:
             factors[i] = float(factor) if i in hit else low_factor
-    residuals = [[torch.zeros(p.numel()) for p in params] for _ in range(workers)]
+    residuals = [[p.new_zeros(p.numel()) for p in params] for _ in range(workers)]
     gens = [torch.Generator().manual_seed(seed * 100 + w) for w in range(workers)]
     bytes_sent = 0.0
     bytes_dense = 0.0
@@ -314,7 +321,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                 p.grad = (sum(g[i] for g in grads) / workers).view_as(p)
                 bytes_sent += 4 * numel * workers
                 if diagnosis is not None and numel >= min_numel:  # dense's own numbers, to compare with
-                    diagnosis.record(i, p.grad.reshape(-1), [torch.zeros(1)], step)
+                    diagnosis.record(i, p.grad.reshape(-1), [p.new_zeros(1)], step)
                 continue
             accs = [residuals[w][i].add_(grads[w][i]) for w in range(workers)]
             if "inplace" in method:
@@ -329,6 +336,9 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                 if "scale" in method:
                     method["scale"][0] = step_scale * factors[i]
                 sent = [method["fn"](a) for a in accs]
+                if flush_every and step % flush_every == 0:
+                    sent = [s_ + quantize(a - s_, flush_bits) for a, s_ in zip(accs, sent)]
+                    bytes_sent += flush_bits / 8 * numel * workers
                 for a, s_ in zip(accs, sent):
                     a -= s_
                 applied = sum(sent) / workers
@@ -361,24 +371,33 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--methods", nargs="+", default=["dense", "topk:0.01"])
     parser.add_argument("--out", default=str(ROOT / "results" / "sim"))
+    parser.add_argument("--device", default="cpu", help="cuda: the same arithmetic on a GPU (many screens at once)")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="gptlm's AdamW weight decay instead of 0.1 (a diagnosis: does decay interact with Top-K?)")
     parser.add_argument("--diagnose", action="store_true",
                         help="per compressed tensor: share of coordinates ever applied, steps between arrivals, "
                              "staleness at the end, residual norm / applied norm")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    task = make_task(args.task)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 as on the CPU
+    torch.backends.cudnn.allow_tf32 = False
+    options = {"device": args.device}
+    if args.weight_decay is not None:
+        options["weight_decay"] = args.weight_decay
+    task = make_task(args.task, **options)
+    tag = "" if args.weight_decay is None else f"-wd{args.weight_decay:g}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for spec in args.methods:
         for seed in args.seeds:
             diag = "-diag" if args.diagnose else ""
-            path = out / f"{args.task}-{args.steps}-{spec.replace(':', '_')}-{seed}{diag}-p{args.workers}.json"
+            path = out / f"{args.task}{tag}-{args.steps}-{spec.replace(':', '_')}-{seed}{diag}-p{args.workers}.json"
             if path.exists():
                 r = json.loads(path.read_text())
             else:
                 r = run(task, spec, seed, args.steps, args.workers, diagnose=args.diagnose)
                 path.write_text(json.dumps(r))
-            print(f"{args.task} {args.steps} {spec:<22} seed {seed}: valid {r['final']:.4f}  bytes "
+            print(f"{args.task}{tag} {args.steps} {spec:<22} seed {seed}: valid {r['final']:.4f}  bytes "
                   f"{100 * r['bytes_fraction']:.2f}% of dense  ({r['seconds']:.0f} s)", flush=True)
             for d in r.get("diagnosis", []):
                 print(f"    {d['tensor']:<28} {d['numel']:>8}  ever applied {100 * d['ever_applied']:5.1f}%  "

@@ -13,6 +13,7 @@ sorted, first 2 MB; the last 10% held out): real text that every machine with Py
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,16 @@ TASKS = ("charlm", "gptlm")
 
 
 def corpus(size: int = 2_000_000) -> Tuple[torch.Tensor, torch.Tensor, str]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py")))[:size]
+    """The text, and where it came from. HOROVOD_TOPK_CORPUS names a file to read instead: another Python's stdlib
+    holds other text, so a run on another machine (a GPU host) reads this machine's text saved to a file
+    (``python scripts/lm_tasks.py --save FILE``) to measure the same task."""
+    saved = os.environ.get("HOROVOD_TOPK_CORPUS")
+    if saved:
+        text = Path(saved).read_bytes()[:size]
+        stdlib = Path(saved)
+    else:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        text = b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py")))[:size]
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     cut = int(0.9 * len(data))
     return data[:cut], data[cut:], f"{stdlib}/*.py (first {len(text)} bytes)"
@@ -84,6 +93,8 @@ class LMTask:
     seq: int = 128
     eval_every: int = 50
     valid_windows: int = 64
+    weight_decay: float = 0.1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         self.train, self.valid, self.source = corpus()
@@ -91,6 +102,7 @@ class LMTask:
         starts = torch.randint(0, len(self.valid) - self.seq - 1, (self.valid_windows,), generator=vgen)
         self.vx = torch.stack([self.valid[i:i + self.seq] for i in starts])
         self.vy = torch.stack([self.valid[i + 1:i + self.seq + 1] for i in starts])
+        self.vx, self.vy = self.vx.to(self.device), self.vy.to(self.device)
 
     def model(self) -> nn.Module:
         return CharGRU() if self.name == "charlm" else TinyGPT(context=self.seq)
@@ -101,7 +113,7 @@ class LMTask:
             return torch.optim.Adam(model.parameters(), lr=3e-3), None
         decay = [p for p in model.parameters() if p.dim() >= 2]
         rest = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay}, {"params": rest, "weight_decay": 0.0}],
                                 lr=3e-3, betas=(0.9, 0.95))
         warm = max(1, steps // 20)
 
@@ -115,7 +127,7 @@ class LMTask:
 
     def build(self, seed: int, steps: int) -> Tuple[nn.Module, torch.optim.Optimizer, Optional[Any]]:
         torch.manual_seed(seed)
-        model = self.model()
+        model = self.model().to(self.device)  # initialised on the CPU: the same weights on every device
         opt, sched = self.optimizer(model, steps)
         return model, opt, sched
 
@@ -123,7 +135,7 @@ class LMTask:
         starts = torch.randint(0, len(self.train) - self.seq - 1, (self.batch_size,), generator=gen)
         x = torch.stack([self.train[i:i + self.seq] for i in starts])
         y = torch.stack([self.train[i + 1:i + self.seq + 1] for i in starts])
-        return x, y
+        return x.to(self.device), y.to(self.device)
 
     @staticmethod
     def loss(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -135,8 +147,20 @@ class LMTask:
             return self.loss(model, (self.vx, self.vy)).item()
 
 
-def make_task(name: str) -> LMTask:
+def make_task(name: str, **options: Any) -> LMTask:
+    """``options``: LMTask fields (device, weight_decay) for the simulator's diagnoses; the study uses none."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; one of {TASKS}")
     # the transformer sees shorter windows: a step costs about what a GRU step costs on one core
-    return LMTask(name) if name == "charlm" else LMTask(name, seq=64)
+    return LMTask(name, **options) if name == "charlm" else LMTask(name, seq=64, **options)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="save the corpus this machine's tasks read to a file")
+    parser.add_argument("--save", required=True)
+    args = parser.parse_args()
+    train, valid, source = corpus()
+    Path(args.save).write_bytes(bytes(torch.cat([train, valid]).to(torch.uint8).tolist()))
+    print(f"saved {len(train) + len(valid)} bytes of {source} to {args.save}")
