@@ -32,6 +32,7 @@ from ..core import (
 )
 from ..core.exchange import DENSE, SPARSE_ALLREDUCE
 from . import encoding, ops, shared, sizes, sparse_allreduce
+from .state import state_variable
 from .telemetry import GraphTelemetry, adapt_writer
 
 __all__ = ["TopKEF"]
@@ -333,9 +334,7 @@ class TopKEF(TopKEFBase[Any]):
     def _level(self, name: str, record: TensorRecord[Any]) -> tf.Variable:
         var = self._level_vars.get(name)
         if var is None:
-            with tf.init_scope():
-                var = tf.Variable(float(record.gradient_level), dtype=tf.float64, trainable=False,
-                                  name="topk_gradient_level")
+            var = state_variable(float(record.gradient_level), "topk_gradient_level", tf.float64)
             self._level_vars[name] = var
         return var
 
@@ -350,8 +349,7 @@ class TopKEF(TopKEFBase[Any]):
             if np.shape(initial) != (numel,):
                 raise ValueError(f"horovod-topk: the {field} of {name!r} has {np.size(initial)} elements, the "
                                  f"gradient {numel} (a state_dict of another model?)")
-            with tf.init_scope():  # created once, outside any traced function
-                var = tf.Variable(initial.astype(dtype.as_numpy_dtype), trainable=False, name=f"topk_{field}")
+            var = state_variable(initial.astype(dtype.as_numpy_dtype), f"topk_{field}")
             variables[name] = var
         setattr(record, field, var)
         return var
@@ -359,9 +357,7 @@ class TopKEF(TopKEFBase[Any]):
     def _counters(self, name: str, record: TensorRecord[Any]) -> tf.Variable:
         var = self._counter_vars.get(name)
         if var is None:
-            with tf.init_scope():
-                var = tf.Variable(self._counter_values(record), dtype=tf.int64, trainable=False,
-                                  name="topk_counters")
+            var = state_variable(self._counter_values(record), "topk_counters", tf.int64)
             self._counter_vars[name] = var
         return var
 

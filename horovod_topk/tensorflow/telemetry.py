@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, Optional
 
 import tensorflow as tf
 
+from .state import state_variable
+
 __all__ = ["GraphTelemetry", "SummaryWriterScalars", "adapt_writer"]
 
 
@@ -81,8 +83,7 @@ class GraphTelemetry:
     def _variable(self, table: Dict[str, tf.Variable], name: str, initial: Any, label: str) -> tf.Variable:
         var = table.get(name)
         if var is None:
-            with tf.init_scope():  # created once, outside any traced function
-                var = tf.Variable(initial, dtype=tf.float64, trainable=False, name=label)
+            var = state_variable(initial, label, tf.float64)  # created once, outside any traced function
             table[name] = var
         return var
 

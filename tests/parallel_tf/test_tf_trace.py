@@ -44,3 +44,42 @@ def test_equal_sized_tensors_share_one_traced_body_and_reduce_exactly():
         sent = matching[0]
         np.testing.assert_allclose(g.numpy().reshape(-1), hvd.allreduce(tf.constant(sent), op=hvd.Average).numpy(),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_is_traced_once_and_a_retrace_may_add_tensors():
+    """TopKEF's variables (created on a tensor's first reduction, i.e. while tracing) must not make tf.function
+    trace the user's step a second time (horovod_topk.tensorflow.state): with the model's variables created before
+    the first call, the step is traced exactly as often as dense's. A later trace of the same function for new
+    shapes may create the state of tensors it had not seen."""
+    rng = np.random.RandomState(1)
+    traces = {"topk": 0, "dense": 0}
+
+    def make(kind, compression):
+        @tf.function
+        def step(x, y=None):
+            traces[kind] += 1
+            sources = [x] if y is None else [x, y]
+            with tf.GradientTape() as tape:
+                tape.watch(sources)
+                loss = tf.add_n([tf.reduce_sum(tf.sin(s) * float(hvd.rank() + 1)) for s in sources])
+            return hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, sources)[0]
+        return step
+
+    comp = TopKEF(ratio=0.01)
+    topk_step = make("topk", comp)
+    dense_step = make("dense", hvd.Compression.none)
+    x = tf.constant(rng.randn(40, 50).astype(np.float32))
+    applied = np.zeros(x.shape, np.float32)
+    for _ in range(3):
+        applied += topk_step(x).numpy()
+        dense_step(x)
+    assert traces == {"topk": 1, "dense": 1}
+    assert comp.stats()["steps"] == 3 and len(comp._residual_vars) == 1
+    # error feedback exact through the single trace: the 3 averages applied == mean over ranks of (3 g - residual)
+    (residual,) = comp._residual_vars.values()
+    local = 3 * np.cos(x.numpy()).reshape(-1) * float(hvd.rank() + 1) - residual.numpy()
+    want = hvd.allreduce(tf.constant(local), op=hvd.Average).numpy()
+    # another signature: a second trace of the same function, whose new tensor gets its own state
+    topk_step(x, tf.constant(rng.randn(60, 50).astype(np.float32)))
+    assert traces["topk"] == 2 and len(comp._residual_vars) == 2
+    np.testing.assert_allclose(applied.reshape(-1), want, rtol=1e-4, atol=1e-4)
