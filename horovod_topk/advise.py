@@ -276,7 +276,22 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
             notes.append(f"does not pay: TopKEF auto {_ms(auto.t_step_s)} ms per step against "
                          f"{_ms(best_dense.t_step_s)} ms for {label}")
         notes.append("per step only: Top-K may need more steps to the same accuracy (README, Convergence)")
+        sparse = [r for r in auto.routes if r.route == SPARSE_ALLREDUCE]
+        if sparse:
+            notes.append(sparse_allreduce_note(len(sparse), workers, config.ratio))
     return rows, notes
+
+
+def sparse_allreduce_note(tensors: int, workers: int, ratio: Optional[float]) -> str:
+    """What a user should know when auto sends tensors through the sparse allreduce: at the same ratio it applies
+    at most k entries per step where the allgather applies up to P k, which trained an Adam language model worse
+    (README, "Owners keeping more..."); about P / 2.2 times the ratio spends the allgather's bytes."""
+    scale = workers / 2.2
+    advice = (f"ratio={ratio * scale:.3g} (x{scale:.1f}) spends the allgather's bytes" if ratio is not None
+              else f"about {scale:.1f}x the entries spend the allgather's bytes")
+    return (f"{tensors} tensor(s) take the sparse allreduce: it applies at most k entries per step, the allgather "
+            f"up to {workers}k; at the same ratio an Adam LM trained worse (+9% at P=4, +12% at P=8); {advice} "
+            f"(README, Many workers)")
 
 
 def format_table(rows: Sequence[Tuple[str, Optional[Prediction], str]]) -> str:
@@ -401,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-bits", type=int, choices=INDEX_BITS, default=32, help="TopKConfig.index_bits")
     p.add_argument("--no-dense-fallback", action="store_true", help="TopKConfig.dense_fallback=False")
     p.add_argument("--framework", choices=("torch", "tensorflow"), default="torch",
-                   help="tensorflow has no sparse allreduce: auto uses allgather there")
+                   help="both have the same exchanges and choose them alike (kept for scripts that pass it)")
     return p
 
 
@@ -413,7 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             index_bits=args.index_bits, dense_fallback=not args.no_dense_fallback)
     except ValueError as e:
         parser.error(str(e))
-    sparse_available = args.framework == "torch"
+    sparse_available = True  # PyTorch and TensorFlow both have the sparse allreduce (README, "Many workers")
     if args.check:
         try:
             data = json.loads(Path(args.check).read_text())

@@ -58,7 +58,7 @@ def test_auto_choice_and_bytes_are_choose_exchange(world_size, ratio):
         assert route.nbytes == pytest.approx(cost), route
 
 
-def test_tensorflow_auto_never_takes_the_sparse_allreduce():
+def test_without_the_sparse_allreduce_auto_uses_the_allgather():
     routes = route_tensors("topk", advise.resnet50(), 64, config=TopKConfig(), sparse_available=False)
     assert SPARSE_ALLREDUCE not in {r.route for r in routes}
     assert ALLGATHER in {r.route for r in routes}
@@ -296,3 +296,19 @@ def test_latency_makes_auto_pick_the_fastest_predicted_exchange(capsys):
     assert "pass TopKEF(collective_latency_bytes=46875)" in capsys.readouterr().out
     assert advise.main(["--model", "resnet50", "--workers", "32", "--bandwidth", "10gbit", "--compute", "120ms"]) == 0
     assert "131,072 bytes (TopKEF's default)" in capsys.readouterr().out
+
+
+def test_auto_through_the_sparse_allreduce_says_what_it_costs_in_convergence(capsys):
+    """When auto sends tensors through the sparse allreduce, advise says it applies fewer entries than the
+    allgather and what ratio spends the allgather's bytes; both frameworks have the exchange."""
+    for framework in ("torch", "tensorflow"):
+        assert advise.main(["--model", "resnet50", "--workers", "32", "--bandwidth", "10gbit", "--compute", "120ms",
+                            "--framework", framework]) == 0
+        out = capsys.readouterr().out
+        assert "not in TensorFlow" not in out
+        assert "take the sparse allreduce: it applies at most k entries per step, the allgather up to 32k" in out
+        assert "ratio=0.145 (x14.5) spends the allgather's bytes" in out
+    # at P = 2 auto never takes it, and nothing is said
+    assert advise.main(["--model", "resnet50", "--workers", "2", "--bandwidth", "10gbit", "--compute", "120ms"]) == 0
+    assert "sparse allreduce:" not in capsys.readouterr().out
+    assert "about 3.6x the entries" in advise.sparse_allreduce_note(5, 8, None) and "ratio=" not in advise.sparse_allreduce_note(5, 8, None)
