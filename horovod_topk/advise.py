@@ -252,7 +252,7 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
     for exchange in (ALLGATHER, SPARSE_ALLREDUCE, AUTO):
         name = f"TopKEF {config.ratio:g} {exchange}"
         if exchange == SPARSE_ALLREDUCE and not sparse_available:
-            rows.append((name, None, "not in TensorFlow"))
+            rows.append((name, None, "not available"))
             continue
         try:
             cfg = with_exchange(config, exchange)
@@ -285,13 +285,20 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
 def sparse_allreduce_note(tensors: int, workers: int, ratio: Optional[float]) -> str:
     """What a user should know when auto sends tensors through the sparse allreduce: at the same ratio it applies
     at most k entries per step where the allgather applies up to P k, which trained an Adam language model worse
-    (README, "Owners keeping more..."); about P / 2.2 times the ratio spends the allgather's bytes."""
+    (README, "Owners keeping more, and the same bytes on the wire"). ``ratio`` is one number for the whole model:
+    about P / 2.2 times it gives those tensors the allgather's bytes (and every other compressed tensor more too),
+    capped at 1; exchange="allgather" keeps the allgather's convergence at its bytes."""
     scale = workers / 2.2
-    advice = (f"ratio={ratio * scale:.3g} (x{scale:.1f}) spends the allgather's bytes" if ratio is not None
-              else f"about {scale:.1f}x the entries spend the allgather's bytes")
+    if ratio is not None:
+        larger = min(1.0, ratio * scale)
+        reach = "gives them" if larger == ratio * scale else "is the largest ratio and comes closest to"
+        advice = (f"ratio={larger:.3g} (x{larger / ratio:.1f}, raising every compressed tensor's bytes) {reach} "
+                  f"the allgather's bytes")
+    else:
+        advice = f"about {scale:.1f}x the entries give them the allgather's bytes"
     return (f"{tensors} tensor(s) take the sparse allreduce: it applies at most k entries per step, the allgather "
-            f"up to {workers}k; at the same ratio an Adam LM trained worse (+9% at P=4, +12% at P=8); {advice} "
-            f"(README, Many workers)")
+            f"up to {workers}k; at the same ratio an Adam LM trained worse (+9% at P=4, +12% at P=8); {advice}, or "
+            f"exchange='allgather' keeps the allgather's steps at its bytes (README, \"Owners keeping more\")")
 
 
 def format_table(rows: Sequence[Tuple[str, Optional[Prediction], str]]) -> str:

@@ -43,8 +43,8 @@ def quantize(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Values on the wire: 32 exact; 16 fp16; 1 sign x mean magnitude; else symmetric uniform with absmax scale."""
     if bits == 32 or values.numel() == 0:
         return values
-    if bits == 16:
-        return values.half().float()
+    if bits == 16:  # clamped to float16's range: what does not fit stays in the residual, never an inf
+        return values.clamp(-65504.0, 65504.0).half().float()
     if bits == 1:
         return values.sign() * values.abs().mean()
     if bits == 8:  # float8 e4m3 with a per-tensor scale that maps the largest magnitude to e4m3's largest (448)
@@ -136,7 +136,7 @@ class Drip:
 
 def _rank_within_region(idx: torch.Tensor, magnitude: torch.Tensor, region: torch.Tensor, workers: int) -> torch.Tensor:
     """For each index, its place (0 = largest magnitude) among the indices of its own region: one sort by
-    magnitude, a stable sort by region, no per-region loop (no host round trip on a GPU)."""
+    magnitude, a stable sort by region, no per-region loop (fewer launches and host waits on a GPU)."""
     by_size = torch.argsort(magnitude, descending=True, stable=True)
     by_region = by_size[torch.argsort(region[idx[by_size]], stable=True)]
     owners = region[idx[by_region]]
@@ -260,7 +260,8 @@ class Diagnosis:
 
 def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel: int = 1024,
         diagnose: bool = False) -> dict:
-    """One simulated run. ``spec`` is a method (make_method), optionally followed by '@dense=a,b': parameters
+    """One simulated run. ``spec`` is a method (make_method), then optionally, in this order, '+flush:T:BITS',
+    '+drip:CAP', '+sched:F:H', '@dense=a,b' and '@boost=NAME:F'. '@dense=a,b': parameters
     whose names contain a or b go dense (a diagnosis of which tensors the compression hurts). ``diagnose``:
     per-tensor numbers (Diagnosis) in the result's "diagnosis"."""
     spec_head, _, boost = spec.partition("@boost=")
@@ -273,6 +274,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     # its values in BITS (quantize); what the quantization loses stays in the residual: bounded staleness, no index
     # bytes, numel * BITS / 8 bytes every T steps
     flush_every, flush_bits = (int(x) for x in flush.split(":")) if flush else (0, 32)
+    if flush and ("fn" not in method or method["fn"] is None):
+        raise ValueError(f"{spec!r}: +flush works with the per-worker compressors (topk, block, cyclic, sign)")
     # '+sched:F:H': the first fraction F of the steps send H times the entries, the rest fewer, the same bytes in all
     front, high = (float(x) for x in byte_sched.split(":")) if byte_sched else (0.0, 1.0)
     low = (1.0 - front * high) / (1.0 - front) if byte_sched else 1.0
@@ -357,7 +360,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
             curve.append(task.validate(model))
             evals.append(step)
     result = {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve, "final": curve[-1],
-              "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start}
+              "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start,
+              "corpus": task.source, "device": task.device}
     if diagnosis is not None:
         result["diagnosis"] = diagnosis.summary(names, steps)
     return result
@@ -386,6 +390,7 @@ def main() -> None:
         options["weight_decay"] = args.weight_decay
     task = make_task(args.task, **options)
     tag = "" if args.weight_decay is None else f"-wd{args.weight_decay:g}"
+    tag += "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"  # results of another device apart
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for spec in args.methods:

@@ -34,13 +34,14 @@ def corpus(size: int = 2_000_000) -> Tuple[torch.Tensor, torch.Tensor, str]:
     saved = os.environ.get("HOROVOD_TOPK_CORPUS")
     if saved:
         text = Path(saved).read_bytes()[:size]
-        stdlib = Path(saved)
+        source = f"{saved} (a saved corpus, first {len(text)} bytes)"
     else:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         text = b"".join(p.read_bytes() for p in sorted(stdlib.glob("*.py")))[:size]
+        source = f"{stdlib}/*.py (first {len(text)} bytes)"
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     cut = int(0.9 * len(data))
-    return data[:cut], data[cut:], f"{stdlib}/*.py (first {len(text)} bytes)"
+    return data[:cut], data[cut:], source
 
 
 class CharGRU(nn.Module):

@@ -20,13 +20,13 @@ if [ -z "${HOROVOD_TOPK_CORPUS:-}" ] && [ -f .gpu/corpus.bin ]; then export HORO
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
 start=$(date +%s)
 while read -r line; do
-  [ -z "$line" ] && continue
+  case "$line" in ""|"#"*) continue ;; esac
   while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do sleep 1; done
   elapsed=$(( $(date +%s) - start ))
   if [ "$elapsed" -gt "$deadline" ]; then echo "deadline: not started: $line" >> "$OUT/log.txt"; continue; fi
   # shellcheck disable=SC2086  # a line is a list of arguments
   ( timeout $(( deadline + 60 - elapsed )) "$PYTHON" scripts/compression_sim.py --out "$OUT/sim" "$@" $line \
-      >> "$OUT/log.txt" 2>> "$OUT/err.txt" || echo "FAILED($?): $line" >> "$OUT/log.txt" ) &
+      < /dev/null >> "$OUT/log.txt" 2>> "$OUT/err.txt" || echo "FAILED($?): $line" >> "$OUT/log.txt" ) &
 done < "$jobs_file"
 wait
 echo "elapsed $(( $(date +%s) - start )) s" >> "$OUT/log.txt"

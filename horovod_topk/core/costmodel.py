@@ -185,7 +185,7 @@ def route_tensors(
 
     TopKEF's routes are plan_tensor's (the compressor's own decision); the bytes are core.exchange's for that
     route, the compact payload's own size when it travels by allgather (as choose_exchange counts it).
-    ``sparse_available``: False for a framework without the sparse allreduce (TensorFlow)."""
+    ``sparse_available``: False where the sparse allreduce cannot be used (both frameworks have it today)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if world_size < 1:

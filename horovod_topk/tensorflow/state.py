@@ -7,9 +7,11 @@ are any, traces the whole step again to lift their initialisers out of the graph
 trace was about half of TopKEF's first-step cost (README, "First-step (tracing) cost"). These variables need
 no lifting: they are created eagerly (``tf.init_scope``) from concrete values, once per process, and the graph
 only reads and assigns them. ``experimental_enable_variable_lifting=False`` tells ``tf.function`` exactly that,
-so its first trace is kept (if the user's own step created no variables of its own). It also lets a later trace
-of the same function create the state of a tensor it had not seen (a retrace for new shapes), where a lifted
-variable raises "tf.function only supports singleton tf.Variables created on the first call".
+so its first trace is kept (if the user's own step created no variables of its own). In that case it also lets
+a later trace of the same function create the state of a tensor it had not seen (a retrace for another
+signature); where the step's first call did create variables of its own (a Keras 2 optimizer's slots), TensorFlow
+refuses any variable in a later trace, lifted or not ("tf.function only supports singleton tf.Variables created
+on the first call"), as it did before.
 """
 from __future__ import annotations
 

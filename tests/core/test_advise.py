@@ -307,8 +307,10 @@ def test_auto_through_the_sparse_allreduce_says_what_it_costs_in_convergence(cap
         out = capsys.readouterr().out
         assert "not in TensorFlow" not in out
         assert "take the sparse allreduce: it applies at most k entries per step, the allgather up to 32k" in out
-        assert "ratio=0.145 (x14.5) spends the allgather's bytes" in out
+        assert "ratio=0.145 (x14.5, raising every compressed tensor's bytes) gives them the allgather's bytes" in out
     # at P = 2 auto never takes it, and nothing is said
     assert advise.main(["--model", "resnet50", "--workers", "2", "--bandwidth", "10gbit", "--compute", "120ms"]) == 0
     assert "sparse allreduce:" not in capsys.readouterr().out
     assert "about 3.6x the entries" in advise.sparse_allreduce_note(5, 8, None) and "ratio=" not in advise.sparse_allreduce_note(5, 8, None)
+    capped = advise.sparse_allreduce_note(5, 32, 0.1)  # never a ratio above 1
+    assert "ratio=1 (x10.0" in capped and "is the largest ratio and comes closest to" in capped
