@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Dict, List
 
 
-def load(directory: Path, task: str, steps: int, workers: int) -> Dict[str, List[dict]]:
+def load(directory: Path, task: str, steps: int, workers: int, variant: str = "") -> Dict[str, List[dict]]:
     runs: Dict[str, List[dict]] = defaultdict(list)
-    for path in sorted(directory.glob(f"{task}-{steps}-*-p{workers}.json")):
+    for path in sorted(directory.glob(f"{task}{variant}-{steps}-*-p{workers}.json")):
         if "-diag" in path.name:
             continue
         run = json.loads(path.read_text())
@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--task", default="gptlm")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--variant", default="", help="the tag compression_sim puts after the task in its file "
+                        "names, e.g. --variant=-cuda (a GPU run) or --variant=-wd0 (--weight-decay 0)")
     parser.add_argument("--methods", nargs="*", help="only these (simulator specs); default: all found")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -40,7 +42,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = load(args.directory, args.task, args.steps, args.workers)
+    runs = load(args.directory, args.task, args.steps, args.workers, args.variant)
     if not runs:
         raise SystemExit(f"no {args.task} runs of {args.steps} steps at P={args.workers} in {args.directory}")
     fig, (by_steps, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
