@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--profile", type=int, default=0, help="print the N top functions of the trace (cProfile)")
+    parser.add_argument("--profile-only", default="", metavar="REGEX",
+                        help="with --profile: only functions whose file:line(name) matches REGEX (e.g. horovod_topk)")
     args = parser.parse_args()
 
     import numpy as np
@@ -113,7 +115,8 @@ def main() -> None:
         rows[method] = {"trace": trace, "first": first, "later": sum(later) / len(later), "ops": ops}
         if profiler is not None and hvd.rank() == 0:
             out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(args.profile)
+            pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(
+                *([args.profile_only] if args.profile_only else []), args.profile)
             print(f"--- cProfile of {method}'s trace ---\n{out.getvalue()}", file=sys.stderr)
     if hvd.rank() != 0:
         return

@@ -31,7 +31,7 @@ from ..core import (
     reduction_scale,
 )
 from ..core.exchange import DENSE, SPARSE_ALLREDUCE
-from . import encoding, ops, shared, sizes, sparse_allreduce
+from . import ops, shared, sizes, sparse_allreduce, steps
 from .state import state_variable
 from .telemetry import GraphTelemetry, adapt_writer
 
@@ -49,7 +49,7 @@ class _Step:
     residual: tf.Variable
     momentum: Optional[tf.Variable]
     counters: tf.Variable
-    guarded: tf.Tensor
+    guarded: Union[int, tf.Tensor]
     dense_nbytes: int
     scale: float
     process_set: Any
@@ -171,7 +171,7 @@ class TopKEF(TopKEFBase[Any]):
         residual = self._buffer(self._residual_vars, "residual", name, record, numel, state_dtype)
         momentum = self._buffer(self._momentum_vars, "momentum", name, record, numel, state_dtype) \
             if self.config.momentum else None
-        guarded = tf.constant(0, tf.int64)
+        guarded: Union[int, tf.Tensor] = 0  # a plain 0 is fixed in the shared bodies' trace (steps.receive)
         if self.config.spike_guard is not None:
             tensor, guarded = self._guard_spike(name, record, tensor, counters[0])
         step = _Step(tensor, name, numel, wire_dtype, residual, momentum, counters, guarded, dense_nbytes, scale,
@@ -209,54 +209,43 @@ class TopKEF(TopKEFBase[Any]):
                      t: Optional[tf.Tensor] = None) -> tf.Tensor:
         """The Top-K entries of every rank, exchanged by ``exchange`` ("allgather" or "sparse_allreduce"), summed
         as a flat dense tensor; updates residual, momentum buffer and counters. ``k`` is the number of entries
-        per step, or with ``t`` (the step) the number at each step of a warm-up."""
+        per step, or with ``t`` (the step) the number at each step of a warm-up.
+
+        Under the allgather this adds two calls of bodies shared by every tensor with the same plan around the
+        tensor's allgather (horovod_topk.tensorflow.steps); its state variables are their inputs."""
         from horovod.tensorflow.mpi_ops import allgather
 
         world_size = step.process_set.size()
         value_itemsize = step.wire_dtype.size
         if t is None:
             assert isinstance(k, int)
-            size = sizes.fixed_sizes(self.config, k, step.numel, value_itemsize, world_size, exchange)
+            plan = sizes.fixed_plan(self.config, k, step.numel, value_itemsize, world_size, exchange)
         else:
             assert not isinstance(k, int)
-            size = sizes.step_sizes(self.config, k, t, step.numel, value_itemsize, world_size, exchange)
-        layout = size.layout
+            plan = sizes.step_plan(self.config, k, step.numel, value_itemsize, world_size, exchange)
         # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
-        select_dtype = step.residual.dtype if layout.scaled else step.wire_dtype
+        select_dtype = step.residual.dtype if plan.layouts[0].scaled else step.wire_dtype
+        flat = tf.reshape(step.tensor, [-1])
+        if exchange == SPARSE_ALLREDUCE:
+            size = plan.at(t)
+            assert size.sparse is not None
+            indices, values, new_residual, new_momentum, finite = shared.call(
+                ops.error_feedback_step, flat, step.residual, size.k, select_dtype, size.sampling, step.momentum,
+                self.config.momentum)
+            return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
-        # shared.call: one traced body per distinct size and options, not one copy per tensor (issue 13)
-        indices, values, new_residual, new_momentum, finite = shared.call(
-            ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype,
-            size.sampling, step.momentum, self.config.momentum)
-        if exchange == SPARSE_ALLREDUCE:
-            assert size.sparse is not None
-            return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
-        if layout.compact:
-            payload, new_residual = shared.call(encoding.encode, indices, values, new_residual, layout)
-        else:
-            payload = shared.call(ops.pack, indices, values, layout)
+        payload, finite = shared.call(steps.send, flat, step.residual, step.momentum, t, plan=plan,
+                                      select_dtype=select_dtype, momentum=self.config.momentum)
         if started is not None:
             payload = self._telemetry.timed(step.name, started, payload)
-        updates = [step.residual.assign(new_residual)]
-        if step.momentum is not None:
-            updates.append(step.momentum.assign(new_momentum))
-        with tf.control_dependencies(updates):
-            payload = tf.identity(payload)
         gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
-        checks = [
-            # tf.debugging.Assert, not assert_equal: the same check in 4 graph nodes instead of 17
-            tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * layout.nbytes),
-                                [layout.mismatch_message(step.name, world_size)]),
-            step.counters.assign_add(tf.stack([
-                tf.constant(1, tf.int64), tf.cast(layout.nbytes, tf.int64),
-                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded])),
-        ]
-        with tf.control_dependencies(checks):
-            gathered = tf.identity(gathered)
-        return shared.call(ops.sum_payloads, gathered, world_size, layout, step.wire_dtype, step.numel,
-                           step.residual.dtype, step.scale, step.tensor.dtype)
+        return shared.call(steps.receive, gathered, step.counters, finite, step.guarded,
+                           tf.constant(plan.mismatch_message(step.name, world_size)), t, plan=plan,
+                           world_size=world_size, numel=step.numel, wire_dtype=step.wire_dtype,
+                           acc_dtype=step.residual.dtype, scale=step.scale, out_dtype=step.tensor.dtype,
+                           dense_nbytes=step.dense_nbytes)
 
     def _sparse_allreduce(self, step: "_Step", indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor,
                           new_momentum: Optional[tf.Tensor], finite: tf.Tensor,
@@ -268,7 +257,7 @@ class TopKEF(TopKEFBase[Any]):
             process_set=step.process_set)
         updates = [step.residual.assign(new_residual), step.counters.assign_add(tf.stack([
             tf.constant(1, tf.int64), tf.cast(sent_nbytes, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
-            1 - tf.cast(finite, tf.int64), step.guarded]))]
+            1 - tf.cast(finite, tf.int64), tf.cast(step.guarded, tf.int64)]))]
         if step.momentum is not None:
             updates.append(step.momentum.assign(new_momentum))
         with tf.control_dependencies(updates):
@@ -292,7 +281,7 @@ class TopKEF(TopKEFBase[Any]):
                              ignore_name_scope=True, process_set=step.process_set)
         with tf.control_dependencies([step.counters.assign_add(tf.stack([
                 tf.constant(1, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
-                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), step.guarded]))]):
+                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), tf.cast(step.guarded, tf.int64)]))]):
             return tf.identity(reduced)
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
@@ -329,7 +318,7 @@ class TopKEF(TopKEFBase[Any]):
         factor, new_level = tf.numpy_function(rule, [norm, level, step], [tf.float64, tf.float64], stateful=False)
         with tf.control_dependencies([level.assign(tf.reshape(new_level, []))]):
             scaled = tensor * tf.cast(factor, tensor.dtype)
-        return scaled, tf.cast(factor < 1.0, tf.int64)
+        return scaled, tf.reshape(tf.cast(factor < 1.0, tf.int64), [])
 
     def _level(self, name: str, record: TensorRecord[Any]) -> tf.Variable:
         var = self._level_vars.get(name)
@@ -345,11 +334,13 @@ class TopKEF(TopKEFBase[Any]):
         var = variables.get(name)
         if var is None:
             loaded = getattr(record, field)
-            initial = np.zeros(numel, dtype.as_numpy_dtype) if loaded is None else loaded
-            if np.shape(initial) != (numel,):
-                raise ValueError(f"horovod-topk: the {field} of {name!r} has {np.size(initial)} elements, the "
+            if loaded is None:  # zeros made by TensorFlow: no host array of the tensor's size to build and copy
+                var = state_variable(lambda: tf.zeros([numel], dtype), f"topk_{field}", dtype)
+            elif np.shape(loaded) != (numel,):
+                raise ValueError(f"horovod-topk: the {field} of {name!r} has {np.size(loaded)} elements, the "
                                  f"gradient {numel} (a state_dict of another model?)")
-            var = state_variable(initial.astype(dtype.as_numpy_dtype), f"topk_{field}")
+            else:
+                var = state_variable(np.asarray(loaded).astype(dtype.as_numpy_dtype), f"topk_{field}")
             variables[name] = var
         setattr(record, field, var)
         return var

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Hashable, Tuple
 import tensorflow as tf
 
 from ..core.payload import PayloadLayout
+from .sizes import SizePlan
 
 __all__ = ["call", "traced_count"]
 
@@ -25,7 +26,7 @@ _TRACED: Dict[Hashable, Any] = {}
 #: 1.34 s (dense: 0.19 s), with later steps unchanged (scripts/profile_tf_trace.py).
 _NOINLINE = {"experimental_attributes": {"_noinline": True}}
 #: Python values that may be fixed in a shared trace: hashable by value, so equal ones share it.
-_STATIC = (int, float, bool, str, type(None), tf.DType, PayloadLayout)
+_STATIC = (int, float, bool, str, type(None), tf.DType, PayloadLayout, SizePlan)
 
 
 def _is_input(value: Any) -> bool:
@@ -35,25 +36,33 @@ def _is_input(value: Any) -> bool:
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, as a call of one traced function per distinct set of Python values.
 
-    The tensors among ``args`` (nested in tuples too; a variable is read here) are the traced function's inputs;
-    every other value (``kwargs`` and the non-tensor leaves of ``args``) is fixed in its trace and must be a plain
-    value (int, float, bool, str, None, DType, PayloadLayout). Anything else, and eager execution, calls ``fn``
-    directly: nothing is shared, nothing changes. ``fn`` must not capture tensors or create variables."""
+    The tensors and variables among ``args`` (nested in tuples too) are the traced function's inputs: a variable
+    is passed as itself (its resource handle), so ``fn`` may read and assign it, and variables of equal shape and
+    dtype share the trace. Every other value (``kwargs`` and the other leaves of ``args``) is fixed in the trace
+    and must be a plain value (int, float, bool, str, None, DType, PayloadLayout, SizePlan). Anything else, and
+    eager execution, calls ``fn`` directly: nothing is shared, nothing changes. ``fn`` must not capture tensors or
+    create variables."""
     if tf.executing_eagerly():
         return fn(*args, **kwargs)
     leaves = tf.nest.flatten(args)
-    inputs = [tf.convert_to_tensor(leaf) for leaf in leaves if _is_input(leaf)]
+    inputs = [leaf if isinstance(leaf, tf.Variable) else tf.convert_to_tensor(leaf)
+              for leaf in leaves if _is_input(leaf)]
     fixed = tuple(None if _is_input(leaf) else leaf for leaf in leaves)
     static = tuple(sorted(kwargs.items()))
     if not all(isinstance(v, _STATIC) for v in fixed + tuple(v for _, v in static)):
         return fn(*args, **kwargs)
     where = tuple(_is_input(leaf) for leaf in leaves)
     # the inputs' shapes and dtypes too: each tf.function traces once (no retracing warnings, no relaxed shapes)
-    key = (fn, fixed, where, static, tuple((tuple(t.shape.as_list()), t.dtype) for t in inputs))
+    key = (fn, fixed, where, static,
+           tuple((isinstance(t, tf.Variable), _shape_key(t.shape), t.dtype) for t in inputs))
     traced = _TRACED.get(key)
     if traced is None:
         traced = _TRACED[key] = tf.function(_rebuilt(fn, args, fixed, where, kwargs), autograph=False, **_NOINLINE)
     return traced(*inputs)
+
+
+def _shape_key(shape: tf.TensorShape) -> Any:
+    return tuple(shape.as_list()) if shape.rank is not None else None
 
 
 def _rebuilt(fn: Callable[..., Any], structure: Tuple[Any, ...], fixed: Tuple[Any, ...],

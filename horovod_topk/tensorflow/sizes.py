@@ -14,7 +14,7 @@ are computed in Python and tabulated, never re-derived in TensorFlow ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -24,7 +24,7 @@ from ..core.payload import PayloadLayout
 from ..core.policy import sample_size, tensor_payload_layout
 from . import ops
 
-__all__ = ["StepLayout", "StepSparseLayouts", "Sizes", "fixed_sizes", "step_sizes"]
+__all__ = ["StepLayout", "StepSparseLayouts", "Sizes", "SizePlan", "fixed_plan", "step_plan", "fixed_sizes", "step_sizes"]
 
 
 def _lookup(values: Sequence[int], step: tf.Tensor) -> tf.Tensor:
@@ -37,6 +37,13 @@ def _same(values: Sequence[object], what: str) -> object:
     if len(distinct) != 1:
         raise AssertionError(f"horovod-topk: {what} changes with k ({sorted(map(str, distinct))})")
     return distinct.pop()
+
+
+def _warmup_mismatch_message(tensor_name: str, world_size: int, index_bits: int, value_itemsize: int) -> str:
+    return (f"horovod-topk: ranks disagree about tensor {tensor_name!r}: the gathered payloads are not "
+            f"{world_size} of this warm-up step's size ({index_bits}-bit indices, {value_itemsize}-byte "
+            f"values). Check that every rank uses the same TopKEF configuration, the same model, and the same "
+            f"step count (a checkpoint restored on some ranks only?).")
 
 
 class StepLayout:
@@ -73,10 +80,7 @@ class StepLayout:
             setattr(self, name, _lookup([getattr(layout, name) for layout in layouts], step))
 
     def mismatch_message(self, tensor_name: str, world_size: int) -> str:
-        return (f"horovod-topk: ranks disagree about tensor {tensor_name!r}: the gathered payloads are not "
-                f"{world_size} of this warm-up step's size ({self.index_bits}-bit indices, {self.value_itemsize}-byte "
-                f"values). Check that every rank uses the same TopKEF configuration, the same model, and the same "
-                f"step count (a checkpoint restored on some ranks only?).")
+        return _warmup_mismatch_message(tensor_name, world_size, self.index_bits, self.value_itemsize)
 
 
 class StepSparseLayouts:
@@ -108,33 +112,91 @@ class Sizes:
     sparse: Optional[SparseLayouts]
 
 
-def _sampling(config: TopKConfig, k: int, numel: int) -> Optional[tuple]:
+def _sampling(config: TopKConfig, k: int, numel: int) -> Optional[Tuple[int, int]]:
     samples = sample_size(k, numel) if config.selector == "sampled" else 0
     return ops.sample_geometry(numel, k, samples)
 
 
-def fixed_sizes(config: TopKConfig, k: int, numel: int, value_itemsize: int, world_size: int,
-                exchange: str) -> Sizes:
-    """The sizes of a tensor whose k never changes: Python ints, the graph holds static shapes."""
-    sparse = SparseAllreduceLayouts(k, world_size, value_itemsize, numel) if exchange == SPARSE_ALLREDUCE else None
-    return Sizes(k, tensor_payload_layout(config, k, numel, value_itemsize), _sampling(config, k, numel), sparse)
+@dataclass(frozen=True)
+class SizePlan:
+    """Every size a tensor's compressed path needs, for each step it serves, as plain values.
+
+    Why a value and not Sizes: it is hashable, so the traced bodies that select, pack and decode
+    (horovod_topk.tensorflow.steps) take it as a fixed argument and tensors with the same plan share one trace
+    (horovod_topk.tensorflow.shared), the warm-up's too; the body turns it into Sizes with :meth:`at`.
+
+    ``ks``: the entries selected at each step (one entry when k is fixed); ``layouts``: the allgather payload's
+    PayloadLayout per step; ``sampling``: the sampled selector's (stride, q) per step (None: the exact top-k);
+    ``sparse``: the sparse allreduce's layouts per step, None under the allgather.
+    """
+
+    ks: Tuple[int, ...]
+    layouts: Tuple[PayloadLayout, ...]
+    sampling: Tuple[Optional[Tuple[int, int]], ...]
+    sparse: Optional[Tuple[SparseAllreduceLayouts, ...]]
+
+    @property
+    def per_step(self) -> bool:
+        """Whether k changes with the step (a warm-up), i.e. :meth:`at` needs the step."""
+        return len(self.ks) > 1
+
+    def at(self, step: Optional[tf.Tensor]) -> Sizes:
+        """The sizes of ``step`` (an int32 scalar; None for a plan whose k never changes): Python ints when k is
+        fixed, int32 scalars looked up by step otherwise."""
+        if not self.per_step:
+            sparse = self.sparse[0] if self.sparse is not None else None
+            return Sizes(self.ks[0], self.layouts[0], self.sampling[0], sparse)
+        assert step is not None, "a plan whose k changes with the step needs the step"
+        sampling = None
+        if self.sampling[0] is not None:
+            sampling = (_lookup([g[0] for g in self.sampling], step),  # type: ignore[index]
+                        _lookup([g[1] for g in self.sampling], step))  # type: ignore[index]
+        sparse = StepSparseLayouts(self.sparse, step) if self.sparse is not None else None
+        return Sizes(_lookup(self.ks, step), StepLayout(self.layouts, step), sampling, sparse)
+
+    def mismatch_message(self, tensor_name: str, world_size: int) -> str:
+        """What the payload-size check says when ranks disagree (core.payload's message, or StepLayout's)."""
+        if not self.per_step:
+            return self.layouts[0].mismatch_message(tensor_name, world_size)
+        return _warmup_mismatch_message(tensor_name, world_size, self.layouts[0].index_bits,
+                                        self.layouts[0].value_itemsize)
 
 
-def step_sizes(config: TopKConfig, counts: Sequence[int], step: tf.Tensor, numel: int, value_itemsize: int,
-               world_size: int, exchange: str) -> Sizes:
-    """The sizes of step ``step`` (a scalar tensor) when step t selects ``counts[t]`` entries.
+def fixed_plan(config: TopKConfig, k: int, numel: int, value_itemsize: int, world_size: int,
+               exchange: str) -> SizePlan:
+    """The plan of a tensor whose k never changes: its sizes are Python ints, the graph holds static shapes."""
+    sparse = (SparseAllreduceLayouts(k, world_size, value_itemsize, numel),) if exchange == SPARSE_ALLREDUCE else None
+    return SizePlan((k,), (tensor_payload_layout(config, k, numel, value_itemsize),), (_sampling(config, k, numel),),
+                    sparse)
+
+
+def step_plan(config: TopKConfig, counts: Sequence[int], numel: int, value_itemsize: int, world_size: int,
+              exchange: str) -> SizePlan:
+    """The plan of a warm-up in which step t selects ``counts[t]`` entries.
 
     Steps with count 0 go dense on another branch: their rows hold the last count's sizes, never used. With the
     sampled selector every row samples (a k == numel step too: its threshold is then the smallest sampled
     magnitude, whose candidates, or the exact fallback, are all entries), so the selection is one path."""
     filler = next(k for k in reversed(counts) if k)
-    ks = [k or filler for k in counts]
-    sampling = None
+    ks = tuple(k or filler for k in counts)
     if config.selector == "sampled":
-        geometry = [_sampling(config, k, numel) or (1, numel) for k in ks]
-        sampling = (_lookup([g[0] for g in geometry], step), _lookup([g[1] for g in geometry], step))
+        sampling: Tuple[Optional[Tuple[int, int]], ...] = tuple(_sampling(config, k, numel) or (1, numel) for k in ks)
+    else:
+        sampling = tuple(None for _ in ks)
     sparse = None
     if exchange == SPARSE_ALLREDUCE:
-        sparse = StepSparseLayouts([SparseAllreduceLayouts(k, world_size, value_itemsize, numel) for k in ks], step)
-    return Sizes(_lookup(ks, step), StepLayout([tensor_payload_layout(config, k, numel, value_itemsize) for k in ks],
-                                               step), sampling, sparse)
+        sparse = tuple(SparseAllreduceLayouts(k, world_size, value_itemsize, numel) for k in ks)
+    return SizePlan(ks, tuple(tensor_payload_layout(config, k, numel, value_itemsize) for k in ks), sampling, sparse)
+
+
+def fixed_sizes(config: TopKConfig, k: int, numel: int, value_itemsize: int, world_size: int,
+                exchange: str) -> Sizes:
+    """The sizes of a tensor whose k never changes (``fixed_plan(...).at(None)``)."""
+    return fixed_plan(config, k, numel, value_itemsize, world_size, exchange).at(None)
+
+
+def step_sizes(config: TopKConfig, counts: Sequence[int], step: tf.Tensor, numel: int, value_itemsize: int,
+               world_size: int, exchange: str) -> Sizes:
+    """The sizes of step ``step`` (a scalar tensor) when step t selects ``counts[t]`` entries
+    (``step_plan(...).at(step)``)."""
+    return step_plan(config, counts, numel, value_itemsize, world_size, exchange).at(step)

@@ -71,3 +71,30 @@ def test_other_values_and_eager_calls_run_directly():
     np.testing.assert_array_equal(traced().numpy(), [2, 2])
     np.testing.assert_array_equal(shared.call(fn, tf.ones([2]), 7).numpy(), [2, 2])  # eager
     assert shared.traced_count() == before and seen == [marker, 7]
+
+
+def test_variables_are_inputs_one_trace_serves_every_variable_and_each_is_assigned():
+    """steps.send writes the residual it is given: variables of one shape share the trace, not each other's state."""
+    from horovod_topk.core import TopKConfig
+    from horovod_topk.tensorflow import sizes, steps
+
+    rng = np.random.RandomState(1)
+    grads = [tf.constant(rng.randn(500).astype(np.float32)) for _ in range(3)]
+    starts = [rng.randn(500).astype(np.float32) for _ in range(3)]
+    residuals = [tf.Variable(start) for start in starts]
+    plan = sizes.fixed_plan(TopKConfig(selector="exact"), 7, 500, 4, 1, "allgather")
+    before = shared.traced_count()
+
+    @tf.function
+    def step():
+        return [shared.call(steps.send, g, r, None, None, plan=plan, select_dtype=tf.float32, momentum=0.0)
+                for g, r in zip(grads, residuals)]
+
+    sent = step()
+    assert shared.traced_count() - before == 1
+    assert _graph_nodes(step.get_concrete_function(), "TopKV2") == 1  # one body, three calls
+    for g, start, r, (payload, finite) in zip(grads, starts, residuals, sent):
+        indices, values, new_residual, _, _ = ops.error_feedback_step(g, tf.constant(start), 7, tf.float32)
+        np.testing.assert_array_equal(r.numpy(), new_residual.numpy())
+        np.testing.assert_array_equal(payload.numpy(), ops.pack(indices, values, plan.layouts[0]).numpy())
+        assert bool(finite)
