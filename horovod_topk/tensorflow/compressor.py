@@ -161,8 +161,9 @@ class TopKEF(TopKEFBase[Any]):
             with tf.control_dependencies(gate):
                 counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes, 0, 0], tf.int64))
             return None
-        with tf.control_dependencies(gate):
-            tensor = tf.identity(tensor)
+        if gate:
+            with tf.control_dependencies(gate):
+                tensor = tf.identity(tensor)
 
         pending.route = "topk"
         assert plan.k is not None
@@ -177,8 +178,8 @@ class TopKEF(TopKEFBase[Any]):
         step = _Step(tensor, name, numel, wire_dtype, residual, momentum, counters, guarded, dense_nbytes, scale,
                      process_set)
         if not self.config.warmup_steps:
-            return tf.reshape(self._topk_reduce(step, plan.exchange, plan.k), pending.shape)
-        return tf.reshape(self._warmup_reduce(step, op_name, prescale_factor, postscale_factor), pending.shape)
+            return self._topk_reduce(step, plan.exchange, plan.k)
+        return self._warmup_reduce(step, op_name, prescale_factor, postscale_factor)
 
     def _warmup_reduce(self, step: "_Step", op_name: str, prescale_factor: float,
                        postscale_factor: float) -> tf.Tensor:
@@ -208,11 +209,12 @@ class TopKEF(TopKEFBase[Any]):
     def _topk_reduce(self, step: "_Step", exchange: str, k: Union[int, Sequence[int]],
                      t: Optional[tf.Tensor] = None) -> tf.Tensor:
         """The Top-K entries of every rank, exchanged by ``exchange`` ("allgather" or "sparse_allreduce"), summed
-        as a flat dense tensor; updates residual, momentum buffer and counters. ``k`` is the number of entries
-        per step, or with ``t`` (the step) the number at each step of a warm-up.
+        as a dense tensor of the gradient's shape; updates residual, momentum buffer and counters. ``k`` is
+        the number of entries per step, or with ``t`` (the step) the number at each step of a warm-up.
 
-        Under the allgather this adds two calls of bodies shared by every tensor with the same plan around the
-        tensor's allgather (horovod_topk.tensorflow.steps); its state variables are their inputs."""
+        Under the allgather this adds two calls of bodies shared by every tensor with the same options, whatever
+        its size, around the tensor's allgather (horovod_topk.tensorflow.steps); its state variables' handles and
+        its sizes (one row) are their inputs."""
         from horovod.tensorflow.mpi_ops import allgather
 
         world_size = step.process_set.size()
@@ -225,27 +227,33 @@ class TopKEF(TopKEFBase[Any]):
             plan = sizes.step_plan(self.config, k, step.numel, value_itemsize, world_size, exchange)
         # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
         select_dtype = step.residual.dtype if plan.layouts[0].scaled else step.wire_dtype
-        flat = tf.reshape(step.tensor, [-1])
         if exchange == SPARSE_ALLREDUCE:
             size = plan.at(t)
             assert size.sparse is not None
             indices, values, new_residual, new_momentum, finite = shared.call(
-                ops.error_feedback_step, flat, step.residual, size.k, select_dtype, size.sampling, step.momentum,
+                ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype, size.sampling, step.momentum,
                 self.config.momentum)
-            return self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
+            reduced = self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
+            return tf.reshape(reduced, step.tensor.shape)
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
+        row = plan.row(t, step.numel)
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
-        payload, finite = shared.call(steps.send, flat, step.residual, step.momentum, t, plan=plan,
-                                      select_dtype=select_dtype, momentum=self.config.momentum)
+        payload, finite = shared.call_any_shape(
+            steps.send, step.tensor, step.residual.handle, None if step.momentum is None else step.momentum.handle,
+            row, options=plan.options, state_dtype=step.residual.dtype, select_dtype=select_dtype,
+            momentum=self.config.momentum)
         if started is not None:
             payload = self._telemetry.timed(step.name, started, payload)
         gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
-        return shared.call(steps.receive, gathered, step.counters, finite, step.guarded,
-                           tf.constant(plan.mismatch_message(step.name, world_size)), t, plan=plan,
-                           world_size=world_size, numel=step.numel, wire_dtype=step.wire_dtype,
-                           acc_dtype=step.residual.dtype, scale=step.scale, out_dtype=step.tensor.dtype,
-                           dense_nbytes=step.dense_nbytes)
+        reduced = shared.call_any_shape(
+            steps.receive, gathered, step.tensor, step.counters.handle, finite,
+            None if isinstance(step.guarded, int) else step.guarded,
+            tf.constant(plan.mismatch_message(step.name, world_size)), row, options=plan.options,
+            world_size=world_size, wire_dtype=step.wire_dtype, acc_dtype=step.residual.dtype, scale=step.scale,
+            out_dtype=step.tensor.dtype)
+        reduced.set_shape(step.tensor.shape)
+        return reduced
 
     def _sparse_allreduce(self, step: "_Step", indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor,
                           new_momentum: Optional[tf.Tensor], finite: tf.Tensor,
@@ -268,7 +276,7 @@ class TopKEF(TopKEFBase[Any]):
 
     def _dense_reduce(self, step: "_Step", op_name: str, prescale_factor: float, postscale_factor: float) -> tf.Tensor:
         """A warm-up step that goes dense: Horovod's own allreduce of the gradient plus what the residual still
-        holds (nothing is lost when a tensor changes route), as a flat tensor."""
+        holds (nothing is lost when a tensor changes route), in the gradient's shape."""
         from horovod.tensorflow.mpi_ops import Average, Sum, _allreduce
 
         flat = tf.reshape(step.tensor, [-1])
@@ -282,7 +290,7 @@ class TopKEF(TopKEFBase[Any]):
         with tf.control_dependencies([step.counters.assign_add(tf.stack([
                 tf.constant(1, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
                 tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), tf.cast(step.guarded, tf.int64)]))]):
-            return tf.identity(reduced)
+            return tf.reshape(reduced, step.tensor.shape)
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
                 k: Optional[int], process_set: Any, route: Optional[str] = None) -> None:

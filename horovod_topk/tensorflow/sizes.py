@@ -24,7 +24,7 @@ from ..core.payload import PayloadLayout
 from ..core.policy import sample_size, tensor_payload_layout
 from . import ops
 
-__all__ = ["StepLayout", "StepSparseLayouts", "Sizes", "SizePlan", "fixed_plan", "step_plan", "fixed_sizes", "step_sizes"]
+__all__ = ["StepLayout", "StepSparseLayouts", "Sizes", "SizePlan", "SizeOptions", "RowLayout", "ROW_FIELDS", "sizes_of_row", "fixed_plan", "step_plan", "fixed_sizes", "step_sizes"]
 
 
 def _lookup(values: Sequence[int], step: tf.Tensor) -> tf.Tensor:
@@ -117,6 +117,56 @@ def _sampling(config: TopKConfig, k: int, numel: int) -> Optional[Tuple[int, int
     return ops.sample_geometry(numel, k, samples)
 
 
+#: The sizes of one step as one int32 row (SizePlan.row): k, the sampled selector's geometry, the tensor's size
+#: and the layout's size-dependent offsets (int32, like the sizes TensorFlow's ops take).
+ROW_FIELDS = ("k", "stride", "q", "numel", "segments", "indices_offset", "indices_end", "indices_nbytes",
+              "values_offset", "values_nbytes", "values_end", "nbytes")
+
+
+@dataclass(frozen=True)
+class SizeOptions:
+    """What a plan's sizes do not change: the layout's options and whether the sampled selector is used.
+    Hashable: the key of the bodies shared by every tensor and size (horovod_topk.tensorflow.steps)."""
+
+    value_itemsize: int
+    index_bits: int
+    scaled: bool
+    sampled: bool
+
+    @property
+    def scale_nbytes(self) -> int:
+        return PayloadLayout(1, self.value_itemsize, 1, self.index_bits, self.scaled).scale_nbytes
+
+    @property
+    def index_itemsize(self) -> int:
+        return self.index_bits // 8
+
+    @property
+    def compact(self) -> bool:
+        return self.index_bits != 32 or self.scaled
+
+
+class RowLayout:
+    """A PayloadLayout whose sizes are int32 scalars read from a row of ROW_FIELDS (a tensor), and whose options
+    are SizeOptions' plain values: the layout inside a body that serves tensors of every size."""
+
+    def __init__(self, options: SizeOptions, row: tf.Tensor) -> None:
+        self.value_itemsize, self.index_bits, self.scaled = options.value_itemsize, options.index_bits, options.scaled
+        self.scale_nbytes, self.index_itemsize, self.compact = (options.scale_nbytes, options.index_itemsize,
+                                                                options.compact)
+        self.counts_offset = self.scale_nbytes
+        self.k = row[0]
+        for position, name in enumerate(ROW_FIELDS[3:], start=3):
+            setattr(self, name, row[position])
+
+
+def sizes_of_row(options: SizeOptions, row: tf.Tensor) -> Sizes:
+    """The Sizes of one row (SizePlan.row): every size an int32 scalar of the row, so that one trace serves any k
+    and any tensor size."""
+    sampling = (row[1], row[2]) if options.sampled else None
+    return Sizes(row[0], RowLayout(options, row), sampling, None)
+
+
 @dataclass(frozen=True)
 class SizePlan:
     """Every size a tensor's compressed path needs, for each step it serves, as plain values.
@@ -153,6 +203,21 @@ class SizePlan:
                         _lookup([g[1] for g in self.sampling], step))  # type: ignore[index]
         sparse = StepSparseLayouts(self.sparse, step) if self.sparse is not None else None
         return Sizes(_lookup(self.ks, step), StepLayout(self.layouts, step), sampling, sparse)
+
+    @property
+    def options(self) -> SizeOptions:
+        first = self.layouts[0]
+        return SizeOptions(first.value_itemsize, first.index_bits, first.scaled, self.sampling[0] is not None)
+
+    def row(self, step: Optional[tf.Tensor], numel: int) -> tf.Tensor:
+        """The int32 row of ROW_FIELDS of ``step`` (a constant when k is fixed; looked up by step otherwise)."""
+        rows = [[k, *(geometry or (0, 0)), numel, layout.segments, layout.indices_offset, layout.indices_end,
+                 layout.indices_nbytes, layout.values_offset, layout.values_nbytes, layout.values_end, layout.nbytes]
+                for k, geometry, layout in zip(self.ks, self.sampling, self.layouts)]
+        if not self.per_step:
+            return tf.constant(rows[0], tf.int32)
+        assert step is not None, "a plan whose k changes with the step needs the step"
+        return tf.gather(tf.constant(rows, tf.int32), step)
 
     def mismatch_message(self, tensor_name: str, world_size: int) -> str:
         """What the payload-size check says when ranks disagree (core.payload's message, or StepLayout's)."""

@@ -1,62 +1,71 @@
-"""The two halves of one tensor's compressed allgather step, each a body that every tensor with the same plan
-shares (horovod_topk.tensorflow.shared): :func:`send` before the allgather, :func:`receive` after it.
+"""The two halves of one tensor's compressed allgather step, each a body that every tensor with the same options
+shares, whatever its size and k (horovod_topk.tensorflow.shared.call_any_shape): :func:`send` before the
+allgather, :func:`receive` after it.
 
-Why two bodies that take the state variables: what a tensor adds to the user's traced step is then two call ops
-around its allgather (plus a reshape and a message constant), instead of the selection, packing, state updates,
-size check, counter arithmetic and decoding built op by op in Python for every tensor. Both costs of a first step
-grow with those per-tensor ops: the Python trace, and the graph TensorFlow optimises and instantiates on the first
-call (README, "First-step (tracing) cost"). The allgather stays outside: its name is the tensor's, and Horovod
-matches collectives across ranks by that name.
+Why: what a tensor adds to the user's traced step is then two call ops around its allgather, and the model's
+whole compressed path is a couple of traced functions, instead of the selection, packing, state updates, size
+check, counter arithmetic and decoding built op by op in Python for every tensor, or traced once per size. Both
+costs of a first step grow with those: the Python trace, and the graph TensorFlow optimises and instantiates on
+the first call (README, "First-step (tracing) cost"). The allgather stays outside: its name is the tensor's, and
+Horovod matches collectives across ranks by that name.
 
-Variables are inputs of the bodies (their resource handles), not captures, so one trace serves every tensor of the
-same size; a body's variable updates finish before its call returns, which orders them as before: the residual and
-momentum buffer are written before the payload leaves, the counters after the payload's size is checked.
+The sizes of a step arrive as one int32 row (sizes.SizePlan.row: a constant, or looked up by step during a
+warm-up), so nothing in a body depends on a static shape. The state variables arrive as their resource handles and
+are read and written with ``tf.raw_ops``; a body's writes finish before its call returns, which orders them as
+before: the residual and momentum buffer are written before the payload leaves, the counters after the payload's
+size is checked.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import tensorflow as tf
 
 from . import encoding, ops
-from .sizes import SizePlan
+from .sizes import SizeOptions, sizes_of_row
 
 __all__ = ["send", "receive"]
 
 
-def send(grad: tf.Tensor, residual: tf.Variable, momentum_buffer: Optional[tf.Variable], step: Optional[tf.Tensor],
-         *, plan: SizePlan, select_dtype: tf.DType, momentum: float) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(payload, whether the gradient was finite) of the flat ``grad``: error-feedback selection
-    (ops.error_feedback_step) at the plan's k of ``step`` (None when k is fixed), packed in the plan's layout
-    (compact: encoding.encode, which also puts float8's rounding back into the residual); the new residual and
-    momentum buffer are written to their variables."""
-    size = plan.at(step)
+def send(grad: tf.Tensor, residual: tf.Tensor, momentum_buffer: Optional[tf.Tensor], row: tf.Tensor, *,
+         options: SizeOptions, state_dtype: tf.DType, select_dtype: tf.DType,
+         momentum: float) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(payload, whether the gradient was finite) of ``grad`` (any shape): error-feedback selection
+    (ops.error_feedback_step) of the row's k, packed in the row's layout (compact: encoding.encode, which also puts
+    float8's rounding back into the residual). ``residual`` and ``momentum_buffer`` are variable handles (flat,
+    ``state_dtype``); their new values are written to them."""
+    size = sizes_of_row(options, row)
+    current = tf.raw_ops.ReadVariableOp(resource=residual, dtype=state_dtype)
+    buffer = None if momentum_buffer is None else tf.raw_ops.ReadVariableOp(resource=momentum_buffer,
+                                                                              dtype=state_dtype)
     indices, values, new_residual, new_momentum, finite = ops.error_feedback_step(
-        grad, residual, size.k, select_dtype, size.sampling, momentum_buffer, momentum)
+        tf.reshape(grad, [-1]), current, size.k, select_dtype, size.sampling, buffer, momentum)
     if size.layout.compact:
         payload, new_residual = encoding.encode(indices, values, new_residual, size.layout)
     else:
         payload = ops.pack(indices, values, size.layout)
-    residual.assign(new_residual)
+    tf.raw_ops.AssignVariableOp(resource=residual, value=new_residual)
     if momentum_buffer is not None:
-        momentum_buffer.assign(new_momentum)
+        tf.raw_ops.AssignVariableOp(resource=momentum_buffer, value=new_momentum)
     return payload, finite
 
 
-def receive(gathered: tf.Tensor, counters: tf.Variable, finite: tf.Tensor, guarded: Union[int, tf.Tensor],
-            message: tf.Tensor, step: Optional[tf.Tensor], *, plan: SizePlan, world_size: int, numel: int,
-            wire_dtype: tf.DType, acc_dtype: tf.DType, scale: float, out_dtype: tf.DType,
-            dense_nbytes: int) -> tf.Tensor:
-    """The flat dense sum of the ``world_size`` gathered payloads (ops.sum_payloads), after checking that they
-    are ``world_size`` payloads of this step's size (else ``message``, on every rank alike) and adding this step
-    to ``counters`` (steps, bytes sent, bytes dense, non-finite steps, guarded steps)."""
-    size = plan.at(step)
+def receive(gathered: tf.Tensor, grad: tf.Tensor, counters: tf.Tensor, finite: tf.Tensor,
+            guarded: Optional[tf.Tensor], message: tf.Tensor, row: tf.Tensor, *, options: SizeOptions, world_size: int, wire_dtype: tf.DType,
+            acc_dtype: tf.DType, scale: float, out_dtype: tf.DType) -> tf.Tensor:
+    """The dense sum of the ``world_size`` gathered payloads (ops.sum_payloads), shaped and typed as ``grad``
+    (the gradient that was sent: its shape and size are read here, not passed as constants), after
+    checking that they are ``world_size`` payloads of the row's size (else ``message``, on every rank alike) and
+    adding this step to the ``counters`` handle (steps, bytes sent, bytes dense, non-finite steps, guarded
+    steps; ``guarded`` is None without spike_guard)."""
+    size = sizes_of_row(options, row)
+    layout = size.layout
     # tf.debugging.Assert, not assert_equal: the same check in 4 graph nodes instead of 17
-    check = tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * size.layout.nbytes), [message])
+    check = tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * layout.nbytes), [message])
     with tf.control_dependencies([check]):
-        counted = counters.assign_add(tf.stack([
-            tf.constant(1, tf.int64), tf.cast(size.layout.nbytes, tf.int64), tf.constant(dense_nbytes, tf.int64),
-            1 - tf.cast(finite, tf.int64), tf.cast(guarded, tf.int64)]))
-    with tf.control_dependencies([counted]):
+        tf.raw_ops.AssignAddVariableOp(resource=counters, value=tf.stack([
+            tf.constant(1, tf.int64), tf.cast(layout.nbytes, tf.int64), tf.size(grad, out_type=tf.int64) * grad.dtype.size,
+            1 - tf.cast(finite, tf.int64), tf.constant(0, tf.int64) if guarded is None else tf.cast(guarded, tf.int64)]))
         gathered = tf.identity(gathered)
-    return ops.sum_payloads(gathered, world_size, size.layout, wire_dtype, numel, acc_dtype, scale, out_dtype)
+    dense = ops.sum_payloads(gathered, world_size, layout, wire_dtype, layout.numel, acc_dtype, scale, out_dtype)
+    return tf.reshape(dense, tf.shape(grad))

@@ -73,28 +73,50 @@ def test_other_values_and_eager_calls_run_directly():
     assert shared.traced_count() == before and seen == [marker, 7]
 
 
-def test_variables_are_inputs_one_trace_serves_every_variable_and_each_is_assigned():
-    """steps.send writes the residual it is given: variables of one shape share the trace, not each other's state."""
+def test_one_body_serves_every_size_and_writes_each_tensors_own_residual():
+    """steps.send through call_any_shape: tensors of different sizes and k share one trace, the sizes come from
+    each tensor's row, and each body call writes the residual whose handle it was given."""
     from horovod_topk.core import TopKConfig
     from horovod_topk.tensorflow import sizes, steps
 
     rng = np.random.RandomState(1)
-    grads = [tf.constant(rng.randn(500).astype(np.float32)) for _ in range(3)]
-    starts = [rng.randn(500).astype(np.float32) for _ in range(3)]
+    numels = (500, 500, 3000)
+    grads = [tf.constant(rng.randn(n).astype(np.float32)) for n in numels]
+    starts = [rng.randn(n).astype(np.float32) for n in numels]
     residuals = [tf.Variable(start) for start in starts]
-    plan = sizes.fixed_plan(TopKConfig(selector="exact"), 7, 500, 4, 1, "allgather")
+    plans = [sizes.fixed_plan(TopKConfig(selector="exact"), k, n, 4, 1, "allgather") for k, n in zip((7, 7, 40), numels)]
+    assert len({plan.options for plan in plans}) == 1
     before = shared.traced_count()
 
     @tf.function
     def step():
-        return [shared.call(steps.send, g, r, None, None, plan=plan, select_dtype=tf.float32, momentum=0.0)
-                for g, r in zip(grads, residuals)]
+        return [shared.call_any_shape(steps.send, g, r.handle, None, plan.row(None, g.shape[0]), options=plan.options,
+                                      state_dtype=tf.float32, select_dtype=tf.float32, momentum=0.0)
+                for g, r, plan in zip(grads, residuals, plans)]
 
     sent = step()
     assert shared.traced_count() - before == 1
     assert _graph_nodes(step.get_concrete_function(), "TopKV2") == 1  # one body, three calls
-    for g, start, r, (payload, finite) in zip(grads, starts, residuals, sent):
-        indices, values, new_residual, _, _ = ops.error_feedback_step(g, tf.constant(start), 7, tf.float32)
+    for g, start, r, plan, (payload, finite) in zip(grads, starts, residuals, plans, sent):
+        indices, values, new_residual, _, _ = ops.error_feedback_step(g, tf.constant(start), plan.ks[0], tf.float32)
         np.testing.assert_array_equal(r.numpy(), new_residual.numpy())
         np.testing.assert_array_equal(payload.numpy(), ops.pack(indices, values, plan.layouts[0]).numpy())
         assert bool(finite)
+
+
+def test_constant_inputs_reach_the_shared_body_through_a_placeholder():
+    """A constant input would make TensorFlow's optimiser copy the body for that call (call_any_shape's
+    _not_constant): the call sees a PlaceholderWithDefault, and the value is unchanged."""
+
+    def double(x):
+        return x * 2
+
+    @tf.function
+    def traced():
+        return shared.call_any_shape(double, tf.constant([1, 2, 3]))
+
+    np.testing.assert_array_equal(traced().numpy(), [2, 4, 6])
+    graph = traced.get_concrete_function().graph
+    call = next(op for op in graph.get_operations() if op.type in ("StatefulPartitionedCall", "PartitionedCall"))
+    assert all(t.op.type != "Const" for t in call.inputs)
+    assert any(t.op.type == "PlaceholderWithDefault" for t in call.inputs)
