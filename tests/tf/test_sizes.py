@@ -69,3 +69,25 @@ def test_step_sparse_layouts_are_cores_layouts_of_the_steps_k():
     assert int(size.k) == COUNTS[3] and int(size.sparse.sent_nbytes) == want.sent_nbytes
     assert int(size.sparse.send.k) == want.send.k and int(size.sparse.kept.nbytes) == want.kept.nbytes
     assert int(size.layout.nbytes) == PayloadLayout(COUNTS[3], 4).nbytes and size.layout.index_bits == 32
+
+
+@pytest.mark.parametrize("options", [{}, {"index_bits": 16}, {"index_bits": 16, "value_dtype": "float8"},
+                                     {"selector": "exact"}])
+def test_a_row_gives_the_layout_and_selection_of_its_plan(options):
+    """sizes_of_row (the sizes the shared bodies of horovod_topk.tensorflow.steps read from their input): every
+    field equals core's PayloadLayout of that k, for fixed plans and for each step of a warm-up plan."""
+    config = TopKConfig(**options)
+    itemsize = 1 if config.value_dtype == "float8" else 4
+    plans = [sizes.fixed_plan(config, k, NUMEL, itemsize, 2, "allgather") for k in (123, 9000)]
+    plans.append(sizes.step_plan(config, COUNTS, NUMEL, itemsize, 2, "allgather"))
+    for plan in plans:
+        for t, (k, layout, geometry) in enumerate(zip(plan.ks, plan.layouts, plan.sampling)):
+            got = sizes.sizes_of_row(plan.options, plan.row(tf.constant(t) if plan.per_step else None, NUMEL))
+            assert int(got.k) == k
+            assert (got.sampling is None) == (geometry is None)
+            if geometry is not None:
+                assert (int(got.sampling[0]), int(got.sampling[1])) == geometry
+            for field in ("segments", "indices_offset", "indices_end", "indices_nbytes", "values_offset",
+                          "values_nbytes", "values_end", "nbytes", "scale_nbytes", "counts_offset", "compact",
+                          "index_bits", "value_itemsize", "scaled"):
+                assert int(getattr(got.layout, field)) == int(getattr(layout, field)), (field, t)
