@@ -43,6 +43,7 @@ class _Step:
     """What one compressed reduction of one tensor works on (built while tracing)."""
 
     tensor: tf.Tensor
+    shape: tuple  # the gradient's static shape, which every route returns
     name: str
     numel: int
     wire_dtype: tf.DType
@@ -172,11 +173,11 @@ class TopKEF(TopKEFBase[Any]):
         residual = self._buffer(self._residual_vars, "residual", name, record, numel, state_dtype)
         momentum = self._buffer(self._momentum_vars, "momentum", name, record, numel, state_dtype) \
             if self.config.momentum else None
-        guarded: Union[int, tf.Tensor] = 0  # a plain 0 is fixed in the shared bodies' trace (steps.receive)
+        guarded: Union[int, tf.Tensor] = 0  # without spike_guard: no input for it in steps.receive
         if self.config.spike_guard is not None:
             tensor, guarded = self._guard_spike(name, record, tensor, counters[0])
-        step = _Step(tensor, name, numel, wire_dtype, residual, momentum, counters, guarded, dense_nbytes, scale,
-                     process_set)
+        step = _Step(tensor, tuple(pending.shape), name, numel, wire_dtype, residual, momentum, counters, guarded,
+                     dense_nbytes, scale, process_set)
         if not self.config.warmup_steps:
             return self._topk_reduce(step, plan.exchange, plan.k)
         return self._warmup_reduce(step, op_name, prescale_factor, postscale_factor)
@@ -231,10 +232,10 @@ class TopKEF(TopKEFBase[Any]):
             size = plan.at(t)
             assert size.sparse is not None
             indices, values, new_residual, new_momentum, finite = shared.call(
-                ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype, size.sampling, step.momentum,
-                self.config.momentum)
+                ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype,
+                size.sampling, step.momentum, self.config.momentum)
             reduced = self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
-            return tf.reshape(reduced, step.tensor.shape)
+            return tf.reshape(reduced, step.shape)
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
         row = plan.row(t, step.numel)
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
@@ -247,12 +248,13 @@ class TopKEF(TopKEFBase[Any]):
         gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
         reduced = shared.call_any_shape(
-            steps.receive, gathered, step.tensor, step.counters.handle, finite,
+            steps.receive, gathered, step.counters.handle, finite,
             None if isinstance(step.guarded, int) else step.guarded,
-            tf.constant(plan.mismatch_message(step.name, world_size)), row, options=plan.options,
+            tf.constant(plan.mismatch_message(step.name, world_size)), row, tf.constant(step.shape, tf.int32),
+            options=plan.options,
             world_size=world_size, wire_dtype=step.wire_dtype, acc_dtype=step.residual.dtype, scale=step.scale,
             out_dtype=step.tensor.dtype)
-        reduced.set_shape(step.tensor.shape)
+        reduced.set_shape(step.shape)
         return reduced
 
     def _sparse_allreduce(self, step: "_Step", indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor,
@@ -289,8 +291,9 @@ class TopKEF(TopKEFBase[Any]):
                              ignore_name_scope=True, process_set=step.process_set)
         with tf.control_dependencies([step.counters.assign_add(tf.stack([
                 tf.constant(1, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
-                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64), tf.cast(step.guarded, tf.int64)]))]):
-            return tf.reshape(reduced, step.tensor.shape)
+                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64),
+                tf.cast(step.guarded, tf.int64)]))]):
+            return tf.reshape(reduced, step.shape)
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
                 k: Optional[int], process_set: Any, route: Optional[str] = None) -> None:
@@ -325,7 +328,7 @@ class TopKEF(TopKEFBase[Any]):
 
         factor, new_level = tf.numpy_function(rule, [norm, level, step], [tf.float64, tf.float64], stateful=False)
         with tf.control_dependencies([level.assign(tf.reshape(new_level, []))]):
-            scaled = tensor * tf.cast(factor, tensor.dtype)
+            scaled = tensor * tf.cast(tf.reshape(factor, []), tensor.dtype)  # a scalar: the shape stays known
         return scaled, tf.reshape(tf.cast(factor < 1.0, tf.int64), [])
 
     def _level(self, name: str, record: TensorRecord[Any]) -> tf.Variable:

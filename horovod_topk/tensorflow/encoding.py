@@ -2,7 +2,7 @@
 
 The same bytes as the PyTorch encoder (horovod_topk/torch/encoding.py). TensorFlow casts to float8 e4m3fn but
 cannot bitcast it, so the byte of a float8 number is found in core's table of the 256 e4m3 values, and decoded by
-a lookup in the same table. The layout's sizes are ints, or int32 scalars during a warm-up (sizes.StepLayout).
+a lookup in the same table. The layout's sizes are ints, or int32 scalars (sizes.StepLayout, sizes.RowLayout).
 """
 from __future__ import annotations
 

@@ -37,8 +37,8 @@ def residual_dtype(grad_dtype: tf.DType) -> tf.DType:
     return tf.float64 if grad_dtype == tf.float64 else tf.float32
 
 
-#: A size that follows k: a Python int when k is fixed, an int32 scalar tensor when it changes with the step
-#: inside one graph (the sparsity warm-up, horovod_topk.tensorflow.sizes).
+#: A size that follows k: a Python int, or an int32 scalar tensor (looked up by step in a warm-up, or read from
+#: the row of the bodies every size shares; horovod_topk.tensorflow.sizes).
 Size = Union[int, tf.Tensor]
 #: (stride, q) of the sampled selector (sample_geometry); None selects with the exact top-k.
 Sampling = Optional[Tuple[Size, Size]]
@@ -152,7 +152,7 @@ def _bytes_of(x: tf.Tensor) -> tf.Tensor:
 
 def pack(indices: tf.Tensor, values: tf.Tensor, layout: "Layout") -> tf.Tensor:
     """One uint8 buffer holding ``indices`` (int32) and ``values`` at the offsets of ``layout`` (a PayloadLayout, or a
-    sizes.StepLayout whose sizes change with the warm-up's step)."""
+    sizes.StepLayout / sizes.RowLayout whose sizes are int32 scalars)."""
     pad_middle = tf.zeros([layout.values_offset - layout.indices_nbytes], tf.uint8)
     pad_end = tf.zeros([layout.nbytes - layout.values_end], tf.uint8)
     return tf.concat([_bytes_of(tf.cast(indices, tf.int32)), pad_middle, _bytes_of(values), pad_end], axis=0)
@@ -171,11 +171,11 @@ def unpack(
 
 
 def sum_payloads(
-    gathered: tf.Tensor, world_size: int, layout: "Layout", value_dtype: tf.DType, numel: int, acc_dtype: tf.DType,
+    gathered: tf.Tensor, world_size: int, layout: "Layout", value_dtype: tf.DType, numel: "Size", acc_dtype: tf.DType,
     scale: float, out_dtype: tf.DType
 ) -> tf.Tensor:
     """The flat dense sum of P gathered payloads (plain or compact, encoding.decode), times ``scale``, as
-    ``out_dtype``: one function so that tensors of the same size share its trace (horovod_topk.tensorflow.shared)."""
+    ``out_dtype``: the decoding half of horovod_topk.tensorflow.steps.receive."""
     from . import encoding
 
     unpacked = encoding.decode if layout.compact else unpack
@@ -186,7 +186,7 @@ def sum_payloads(
     return tf.cast(dense, out_dtype)
 
 
-def scatter_sum(indices: tf.Tensor, values: tf.Tensor, numel: int, acc_dtype: tf.DType) -> tf.Tensor:
+def scatter_sum(indices: tf.Tensor, values: tf.Tensor, numel: Size, acc_dtype: tf.DType) -> tf.Tensor:
     """Dense flat tensor with every (index, value) pair of every rank added in (collisions add up)."""
     return tf.math.unsorted_segment_sum(
         tf.reshape(tf.cast(values, acc_dtype), [-1]), tf.reshape(indices, [-1]), numel

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 import tensorflow as tf
 
 from ..core.payload import PayloadLayout
-from .sizes import SizeOptions, SizePlan
+from .sizes import SizeOptions
 
 __all__ = ["call", "call_any_shape", "traced_count"]
 
@@ -28,7 +28,7 @@ _TRACED: Dict[Hashable, Any] = {}
 #: 1.34 s (dense: 0.19 s), with later steps unchanged (scripts/profile_tf_trace.py).
 _NOINLINE = {"experimental_attributes": {"_noinline": True}}
 #: Python values that may be fixed in a shared trace: hashable by value, so equal ones share it.
-_STATIC = (int, float, bool, str, type(None), tf.DType, PayloadLayout, SizePlan, SizeOptions)
+_STATIC = (int, float, bool, str, type(None), tf.DType, PayloadLayout, SizeOptions)
 
 
 def _is_static(value: Any) -> bool:
@@ -45,7 +45,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     The tensors and variables among ``args`` (nested in tuples too) are the traced function's inputs: a variable
     is passed as itself (its resource handle), so ``fn`` may read and assign it, and variables of equal shape and
     dtype share the trace. Every other value (``kwargs`` and the other leaves of ``args``) is fixed in the trace
-    and must be a plain value (int, float, bool, str, None, DType, PayloadLayout, SizePlan, SizeOptions).
+    and must be a plain value (int, float, bool, str, None, DType, PayloadLayout, SizeOptions).
     Anything else, and eager execution, calls ``fn`` directly: nothing is shared, nothing changes. ``fn`` must not
     capture tensors or create variables."""
     if tf.executing_eagerly():
@@ -60,7 +60,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     where = tuple(_is_input(leaf) for leaf in leaves)
     # the inputs' shapes and dtypes too: each tf.function traces once (no retracing warnings, no relaxed shapes)
     key = (fn, fixed, where, static,
-           tuple((isinstance(t, tf.Variable), _shape_key(t.shape), t.dtype) for t in inputs))
+           tuple((isinstance(t, tf.Variable), tuple(t.shape.as_list()), t.dtype) for t in inputs))
     traced = _TRACED.get(key)
     if traced is None:
         traced = _TRACED[key] = tf.function(_rebuilt(fn, args, fixed, where, kwargs), autograph=False, **_NOINLINE)
@@ -99,9 +99,9 @@ def _not_constant(tensor: tf.Tensor) -> tf.Tensor:
     the constant into a copy of the body), so a shared body would be copied, optimised and instantiated once per
     tensor again. A PlaceholderWithDefault passes its input through unchanged, but is not a constant to the
     optimiser (a placeholder may be fed), so every call keeps the one shared body. Measured on 120 compressed
-    tensors of one size (60 layers; ``scripts/profile_tf_trace.py``'s step), the first call after tracing took
-    4.14 s with constant inputs and 2.56 s through placeholders (dense: 0.65 s; 2.22 s with TensorFlow's function
-    optimizer switched off altogether)."""
+    tensors of two sizes (``scripts/profile_tf_trace.py``'s 60 layers of 256x256 plus 60 vectors of 1,024), the
+    first call after tracing took 4.14 s with constant inputs and 2.56 s through placeholders (dense: 0.65 s; 2.22 s
+    with TensorFlow's function optimizer switched off altogether)."""
     if tensor.op.type != "Const":
         return tensor
     return tf.raw_ops.PlaceholderWithDefault(input=tensor, shape=tensor.shape)
@@ -115,10 +115,6 @@ def _with_absent(fn: Callable[..., Any], where: Tuple[bool, ...], kwargs: Dict[s
         return fn(*[next(given) if is_present else None for is_present in where], **kwargs)
 
     return body
-
-
-def _shape_key(shape: tf.TensorShape) -> Any:
-    return tuple(shape.as_list()) if shape.rank is not None else None
 
 
 def _rebuilt(fn: Callable[..., Any], structure: Tuple[Any, ...], fixed: Tuple[Any, ...],

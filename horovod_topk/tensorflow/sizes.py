@@ -1,5 +1,6 @@
 """The sizes one compressed step is built with, as functions of its k: Python ints when k is fixed, int32 scalars
-looked up by step when the sparsity warm-up changes k from step to step inside one traced graph.
+looked up by step when the sparsity warm-up changes k from step to step inside one traced graph, or (the allgather
+step's shared bodies, horovod_topk.tensorflow.steps) int32 scalars read from one row, whatever k and the size.
 
 Why: a traced graph has fixed ops. The warm-up used to give each payload size its own ``tf.switch_case`` branch,
 each a full copy of the compressed path (selection, packing, collective, decoding): 19x dense's first-step cost on
@@ -24,7 +25,8 @@ from ..core.payload import PayloadLayout
 from ..core.policy import sample_size, tensor_payload_layout
 from . import ops
 
-__all__ = ["StepLayout", "StepSparseLayouts", "Sizes", "SizePlan", "SizeOptions", "RowLayout", "ROW_FIELDS", "sizes_of_row", "fixed_plan", "step_plan", "fixed_sizes", "step_sizes"]
+__all__ = ["StepLayout", "StepSparseLayouts", "RowLayout", "Sizes", "SizeOptions", "SizePlan", "ROW_FIELDS",
+           "sizes_of_row", "fixed_plan", "step_plan"]
 
 
 def _lookup(values: Sequence[int], step: tf.Tensor) -> tf.Tensor:
@@ -94,7 +96,40 @@ class StepSparseLayouts:
         self.sent_nbytes = _lookup([layout.sent_nbytes for layout in layouts], step)
 
 
-Layout = Union[PayloadLayout, StepLayout]
+class RowLayout:
+    """A PayloadLayout whose sizes are int32 scalars read from a row of ROW_FIELDS (a tensor), and whose options
+    are SizeOptions' plain values: the layout inside a body that serves tensors of every size. Unlike
+    PayloadLayout's (0 for 32-bit indices), ``numel`` is always the tensor's size: the decoder's dense length."""
+
+    value_itemsize: int
+    index_bits: int
+    scaled: bool
+    scale_nbytes: int
+    counts_offset: int
+    index_itemsize: int
+    compact: bool
+    k: tf.Tensor
+    numel: tf.Tensor
+    segments: tf.Tensor
+    indices_offset: tf.Tensor
+    indices_end: tf.Tensor
+    indices_nbytes: tf.Tensor
+    values_offset: tf.Tensor
+    values_nbytes: tf.Tensor
+    values_end: tf.Tensor
+    nbytes: tf.Tensor
+
+    def __init__(self, options: "SizeOptions", row: tf.Tensor) -> None:
+        example = options.example
+        for name in ("value_itemsize", "index_bits", "scaled", "scale_nbytes", "counts_offset", "index_itemsize",
+                     "compact"):
+            setattr(self, name, getattr(example, name))
+        for position, name in enumerate(ROW_FIELDS):
+            if name not in ("stride", "q"):
+                setattr(self, name, row[position])
+
+
+Layout = Union[PayloadLayout, StepLayout, RowLayout]
 SparseLayouts = Union[SparseAllreduceLayouts, StepSparseLayouts]
 
 
@@ -117,12 +152,6 @@ def _sampling(config: TopKConfig, k: int, numel: int) -> Optional[Tuple[int, int
     return ops.sample_geometry(numel, k, samples)
 
 
-#: The sizes of one step as one int32 row (SizePlan.row): k, the sampled selector's geometry, the tensor's size
-#: and the layout's size-dependent offsets (int32, like the sizes TensorFlow's ops take).
-ROW_FIELDS = ("k", "stride", "q", "numel", "segments", "indices_offset", "indices_end", "indices_nbytes",
-              "values_offset", "values_nbytes", "values_end", "nbytes")
-
-
 @dataclass(frozen=True)
 class SizeOptions:
     """What a plan's sizes do not change: the layout's options and whether the sampled selector is used.
@@ -134,30 +163,15 @@ class SizeOptions:
     sampled: bool
 
     @property
-    def scale_nbytes(self) -> int:
-        return PayloadLayout(1, self.value_itemsize, 1, self.index_bits, self.scaled).scale_nbytes
-
-    @property
-    def index_itemsize(self) -> int:
-        return self.index_bits // 8
-
-    @property
-    def compact(self) -> bool:
-        return self.index_bits != 32 or self.scaled
+    def example(self) -> PayloadLayout:
+        """A one-entry PayloadLayout with these options: the source of the parts of a layout k does not change."""
+        return PayloadLayout(1, self.value_itemsize, 1, self.index_bits, self.scaled)
 
 
-class RowLayout:
-    """A PayloadLayout whose sizes are int32 scalars read from a row of ROW_FIELDS (a tensor), and whose options
-    are SizeOptions' plain values: the layout inside a body that serves tensors of every size."""
-
-    def __init__(self, options: SizeOptions, row: tf.Tensor) -> None:
-        self.value_itemsize, self.index_bits, self.scaled = options.value_itemsize, options.index_bits, options.scaled
-        self.scale_nbytes, self.index_itemsize, self.compact = (options.scale_nbytes, options.index_itemsize,
-                                                                options.compact)
-        self.counts_offset = self.scale_nbytes
-        self.k = row[0]
-        for position, name in enumerate(ROW_FIELDS[3:], start=3):
-            setattr(self, name, row[position])
+#: The sizes of one step as one int32 row (SizePlan.row): k, the sampled selector's geometry, the tensor's size
+#: and the layout's size-dependent offsets (int32, like the sizes TensorFlow's ops take).
+ROW_FIELDS = ("k", "stride", "q", "numel", "segments", "indices_offset", "indices_end", "indices_nbytes",
+              "values_offset", "values_nbytes", "values_end", "nbytes")
 
 
 def sizes_of_row(options: SizeOptions, row: tf.Tensor) -> Sizes:
@@ -171,9 +185,9 @@ def sizes_of_row(options: SizeOptions, row: tf.Tensor) -> Sizes:
 class SizePlan:
     """Every size a tensor's compressed path needs, for each step it serves, as plain values.
 
-    Why a value and not Sizes: it is hashable, so the traced bodies that select, pack and decode
-    (horovod_topk.tensorflow.steps) take it as a fixed argument and tensors with the same plan share one trace
-    (horovod_topk.tensorflow.shared), the warm-up's too; the body turns it into Sizes with :meth:`at`.
+    Why plain values: the allgather step's shared bodies (horovod_topk.tensorflow.steps) key their one trace on
+    :attr:`options` and read everything else from :meth:`row`, an int32 tensor, so one trace serves every size and
+    warm-up step; the sparse allreduce builds its ops from :meth:`at`'s Sizes.
 
     ``ks``: the entries selected at each step (one entry when k is fixed); ``layouts``: the allgather payload's
     PayloadLayout per step; ``sampling``: the sampled selector's (stride, q) per step (None: the exact top-k);
@@ -211,9 +225,12 @@ class SizePlan:
 
     def row(self, step: Optional[tf.Tensor], numel: int) -> tf.Tensor:
         """The int32 row of ROW_FIELDS of ``step`` (a constant when k is fixed; looked up by step otherwise)."""
-        rows = [[k, *(geometry or (0, 0)), numel, layout.segments, layout.indices_offset, layout.indices_end,
-                 layout.indices_nbytes, layout.values_offset, layout.values_nbytes, layout.values_end, layout.nbytes]
-                for k, geometry, layout in zip(self.ks, self.sampling, self.layouts)]
+        def field(name: str, k: int, geometry: Optional[Tuple[int, int]], layout: PayloadLayout) -> int:
+            if name in ("stride", "q"):
+                return (geometry or (0, 0))[name == "q"]
+            return {"k": k, "numel": numel}.get(name, getattr(layout, name))
+
+        rows = [[field(name, *entry) for name in ROW_FIELDS] for entry in zip(self.ks, self.sampling, self.layouts)]
         if not self.per_step:
             return tf.constant(rows[0], tf.int32)
         assert step is not None, "a plan whose k changes with the step needs the step"
@@ -252,16 +269,3 @@ def step_plan(config: TopKConfig, counts: Sequence[int], numel: int, value_items
     if exchange == SPARSE_ALLREDUCE:
         sparse = tuple(SparseAllreduceLayouts(k, world_size, value_itemsize, numel) for k in ks)
     return SizePlan(ks, tuple(tensor_payload_layout(config, k, numel, value_itemsize) for k in ks), sampling, sparse)
-
-
-def fixed_sizes(config: TopKConfig, k: int, numel: int, value_itemsize: int, world_size: int,
-                exchange: str) -> Sizes:
-    """The sizes of a tensor whose k never changes (``fixed_plan(...).at(None)``)."""
-    return fixed_plan(config, k, numel, value_itemsize, world_size, exchange).at(None)
-
-
-def step_sizes(config: TopKConfig, counts: Sequence[int], step: tf.Tensor, numel: int, value_itemsize: int,
-               world_size: int, exchange: str) -> Sizes:
-    """The sizes of step ``step`` (a scalar tensor) when step t selects ``counts[t]`` entries
-    (``step_plan(...).at(step)``)."""
-    return step_plan(config, counts, numel, value_itemsize, world_size, exchange).at(step)

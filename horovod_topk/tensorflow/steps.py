@@ -11,9 +11,9 @@ Horovod matches collectives across ranks by that name.
 
 The sizes of a step arrive as one int32 row (sizes.SizePlan.row: a constant, or looked up by step during a
 warm-up), so nothing in a body depends on a static shape. The state variables arrive as their resource handles and
-are read and written with ``tf.raw_ops``; a body's writes finish before its call returns, which orders them as
-before: the residual and momentum buffer are written before the payload leaves, the counters after the payload's
-size is checked.
+are read and written with ``tf.raw_ops``; a body's writes finish before its call returns: the residual and
+momentum buffer are written before the payload leaves, and the counters once the gathered payloads' size is checked
+(a failed check counts no step).
 """
 from __future__ import annotations
 
@@ -50,22 +50,24 @@ def send(grad: tf.Tensor, residual: tf.Tensor, momentum_buffer: Optional[tf.Tens
     return payload, finite
 
 
-def receive(gathered: tf.Tensor, grad: tf.Tensor, counters: tf.Tensor, finite: tf.Tensor,
-            guarded: Optional[tf.Tensor], message: tf.Tensor, row: tf.Tensor, *, options: SizeOptions, world_size: int, wire_dtype: tf.DType,
-            acc_dtype: tf.DType, scale: float, out_dtype: tf.DType) -> tf.Tensor:
-    """The dense sum of the ``world_size`` gathered payloads (ops.sum_payloads), shaped and typed as ``grad``
-    (the gradient that was sent: its shape and size are read here, not passed as constants), after
-    checking that they are ``world_size`` payloads of the row's size (else ``message``, on every rank alike) and
-    adding this step to the ``counters`` handle (steps, bytes sent, bytes dense, non-finite steps, guarded
-    steps; ``guarded`` is None without spike_guard)."""
+def receive(gathered: tf.Tensor, counters: tf.Tensor, finite: tf.Tensor, guarded: Optional[tf.Tensor],
+            message: tf.Tensor, row: tf.Tensor, shape: tf.Tensor, *, options: SizeOptions, world_size: int,
+            wire_dtype: tf.DType, acc_dtype: tf.DType, scale: float, out_dtype: tf.DType) -> tf.Tensor:
+    """The dense sum of the ``world_size`` gathered payloads (ops.sum_payloads) as a tensor of ``shape`` (the
+    gradient's shape, not the gradient itself, which can then be freed once sent), after checking that they are
+    ``world_size`` payloads of the row's size (else ``message``, on every rank alike) and adding this step to the
+    ``counters`` handle (steps, bytes sent, bytes dense, non-finite steps, guarded steps; ``guarded`` is None
+    without spike_guard)."""
     size = sizes_of_row(options, row)
     layout = size.layout
     # tf.debugging.Assert, not assert_equal: the same check in 4 graph nodes instead of 17
     check = tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * layout.nbytes), [message])
     with tf.control_dependencies([check]):
+        dense_nbytes = tf.cast(layout.numel, tf.int64) * out_dtype.size
+        was_guarded = tf.constant(0, tf.int64) if guarded is None else tf.cast(guarded, tf.int64)
         tf.raw_ops.AssignAddVariableOp(resource=counters, value=tf.stack([
-            tf.constant(1, tf.int64), tf.cast(layout.nbytes, tf.int64), tf.size(grad, out_type=tf.int64) * grad.dtype.size,
-            1 - tf.cast(finite, tf.int64), tf.constant(0, tf.int64) if guarded is None else tf.cast(guarded, tf.int64)]))
+            tf.constant(1, tf.int64), tf.cast(layout.nbytes, tf.int64), dense_nbytes, 1 - tf.cast(finite, tf.int64),
+            was_guarded]))
         gathered = tf.identity(gathered)
     dense = ops.sum_payloads(gathered, world_size, layout, wire_dtype, layout.numel, acc_dtype, scale, out_dtype)
-    return tf.reshape(dense, tf.shape(grad))
+    return tf.reshape(dense, shape)

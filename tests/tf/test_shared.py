@@ -84,7 +84,8 @@ def test_one_body_serves_every_size_and_writes_each_tensors_own_residual():
     grads = [tf.constant(rng.randn(n).astype(np.float32)) for n in numels]
     starts = [rng.randn(n).astype(np.float32) for n in numels]
     residuals = [tf.Variable(start) for start in starts]
-    plans = [sizes.fixed_plan(TopKConfig(selector="exact"), k, n, 4, 1, "allgather") for k, n in zip((7, 7, 40), numels)]
+    plans = [sizes.fixed_plan(TopKConfig(selector="exact"), k, n, 4, 1, "allgather")
+             for k, n in zip((7, 7, 40), numels)]
     assert len({plan.options for plan in plans}) == 1
     before = shared.traced_count()
 

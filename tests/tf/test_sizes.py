@@ -34,14 +34,14 @@ def test_one_graph_builds_each_steps_payload_as_a_graph_for_that_k_alone(options
 
     @tf.function
     def per_step(step):
-        return payload(sizes.step_sizes(config, COUNTS, step, NUMEL, itemsize, 2, "allgather"), wire)
+        return payload(sizes.step_plan(config, COUNTS, NUMEL, itemsize, 2, "allgather").at(step), wire)
 
     traces = per_step.experimental_get_tracing_count
     for t, k in enumerate(COUNTS):
         if not k:
             continue
         got, got_residual = per_step(tf.constant(t))
-        fixed = sizes.fixed_sizes(config, k, NUMEL, itemsize, 2, "allgather")
+        fixed = sizes.fixed_plan(config, k, NUMEL, itemsize, 2, "allgather").at(None)
         want, want_residual = payload(fixed, wire)
         assert got.shape == (fixed.layout.nbytes,), (t, k)
         # the same entries (the order within a payload may differ between top_k calls of other static sizes);
@@ -64,7 +64,7 @@ def test_step_sparse_layouts_are_cores_layouts_of_the_steps_k():
     from horovod_topk.core.exchange import SparseAllreduceLayouts
 
     config = TopKConfig()
-    size = sizes.step_sizes(config, COUNTS, tf.constant(3), NUMEL, 4, 4, SPARSE_ALLREDUCE)
+    size = sizes.step_plan(config, COUNTS, NUMEL, 4, 4, SPARSE_ALLREDUCE).at(tf.constant(3))
     want = SparseAllreduceLayouts(COUNTS[3], 4, 4, NUMEL)
     assert int(size.k) == COUNTS[3] and int(size.sparse.sent_nbytes) == want.sent_nbytes
     assert int(size.sparse.send.k) == want.send.k and int(size.sparse.kept.nbytes) == want.kept.nbytes
@@ -87,6 +87,7 @@ def test_a_row_gives_the_layout_and_selection_of_its_plan(options):
             assert (got.sampling is None) == (geometry is None)
             if geometry is not None:
                 assert (int(got.sampling[0]), int(got.sampling[1])) == geometry
+            assert int(got.layout.numel) == NUMEL  # the tensor's size, whatever the index width
             for field in ("segments", "indices_offset", "indices_end", "indices_nbytes", "values_offset",
                           "values_nbytes", "values_end", "nbytes", "scale_nbytes", "counts_offset", "compact",
                           "index_bits", "value_itemsize", "scaled"):
