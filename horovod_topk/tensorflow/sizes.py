@@ -48,7 +48,30 @@ def _warmup_mismatch_message(tensor_name: str, world_size: int, index_bits: int,
             f"step count (a checkpoint restored on some ranks only?).")
 
 
-class StepLayout:
+class _TensorLayout:
+    """The fields of a PayloadLayout that the ops of horovod_topk.tensorflow.ops and .encoding read, where a size
+    may be an int32 scalar tensor (StepLayout, RowLayout)."""
+
+    value_itemsize: int
+    index_bits: int
+    scaled: bool
+    scale_nbytes: int
+    counts_offset: int
+    index_itemsize: int
+    compact: bool
+    k: ops.Size
+    numel: ops.Size
+    segments: ops.Size
+    indices_offset: ops.Size
+    indices_end: ops.Size
+    indices_nbytes: ops.Size
+    values_offset: ops.Size
+    values_nbytes: ops.Size
+    values_end: ops.Size
+    nbytes: ops.Size
+
+
+class StepLayout(_TensorLayout):
     """A PayloadLayout whose k-dependent sizes are int32 scalars: the layout of ``layouts[step]``, for the ops
     of horovod_topk.tensorflow.ops and .encoding, which take either. The parts that depend on the tensor and the
     options only (index width, segments, scale) are plain ints, equal in every step's layout."""
@@ -56,24 +79,6 @@ class StepLayout:
     _FIXED = ("value_itemsize", "numel", "index_bits", "scaled", "scale_nbytes", "segments", "counts_offset",
               "index_itemsize", "indices_offset", "compact")
     _PER_STEP = ("k", "indices_end", "indices_nbytes", "values_offset", "values_nbytes", "values_end", "nbytes")
-
-    value_itemsize: int
-    numel: int
-    index_bits: int
-    scaled: bool
-    scale_nbytes: int
-    segments: int
-    counts_offset: int
-    index_itemsize: int
-    indices_offset: int
-    compact: bool
-    k: tf.Tensor
-    indices_end: tf.Tensor
-    indices_nbytes: tf.Tensor
-    values_offset: tf.Tensor
-    values_nbytes: tf.Tensor
-    values_end: tf.Tensor
-    nbytes: tf.Tensor
 
     def __init__(self, layouts: Sequence[PayloadLayout], step: tf.Tensor) -> None:
         for name in self._FIXED:
@@ -96,28 +101,10 @@ class StepSparseLayouts:
         self.sent_nbytes = _lookup([layout.sent_nbytes for layout in layouts], step)
 
 
-class RowLayout:
+class RowLayout(_TensorLayout):
     """A PayloadLayout whose sizes are int32 scalars read from a row of ROW_FIELDS (a tensor), and whose options
     are SizeOptions' plain values: the layout inside a body that serves tensors of every size. Unlike
     PayloadLayout's (0 for 32-bit indices), ``numel`` is always the tensor's size: the decoder's dense length."""
-
-    value_itemsize: int
-    index_bits: int
-    scaled: bool
-    scale_nbytes: int
-    counts_offset: int
-    index_itemsize: int
-    compact: bool
-    k: tf.Tensor
-    numel: tf.Tensor
-    segments: tf.Tensor
-    indices_offset: tf.Tensor
-    indices_end: tf.Tensor
-    indices_nbytes: tf.Tensor
-    values_offset: tf.Tensor
-    values_nbytes: tf.Tensor
-    values_end: tf.Tensor
-    nbytes: tf.Tensor
 
     def __init__(self, options: "SizeOptions", row: tf.Tensor) -> None:
         example = options.example
