@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
@@ -178,6 +179,68 @@ def sparse_allreduce(accs: List[torch.Tensor], ratio: float, keep_factor: float)
     return applied / workers, (workers * cap + kept) * 8
 
 
+class LocalAdam:
+    """Update mode: each worker steps its own Adam/AdamW (the task's hyperparameters and schedule, read from the
+    task's optimizer every step) on its own gradient and hands over its update ``before - after``.
+
+    VARIANT says where the second moment comes from: 'own' -- each worker's own (the user's optimizer stepped on each
+    rank as is); 'oracle' -- one shared, from the square of the workers' averaged gradient (what dense Adam has; it
+    would cost a dense allreduce); 'ranksq' -- one shared, from the workers' mean of their own squared gradients, per
+    entry (a dense allreduce too: a diagnosis of 'mean of squares' against 'square of mean'); 'block:B' -- one
+    shared value per block of B entries, from the workers' mean of their own squared gradients (an allreduce of
+    numel / B floats: horovod_topk.torch.update_rule)."""
+
+    def __init__(self, variant: str, opt: torch.optim.Optimizer, params: List[torch.Tensor], workers: int) -> None:
+        from horovod_topk.torch import update_rule
+
+        self.rule = update_rule
+        kind, _, block = variant.partition(":")
+        if kind not in ("own", "oracle", "ranksq", "block") or (kind == "block") != bool(block):
+            raise ValueError(f"+update:{variant}: one of own, oracle, ranksq, block:B")
+        self.kind = kind
+        self.block = int(block) if block else None
+        self.decoupled = isinstance(opt, torch.optim.AdamW)
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError("+update: the task's optimizer must be Adam or AdamW")
+        self.group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        self.params = params
+        self.workers = workers
+        self.m = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
+        shared = 1 if kind != "own" else workers
+        self.v = [[torch.zeros(update_rule.block_count(p.numel(), self.block), device=p.device) if self.block
+                   else torch.zeros_like(p) for p in params] for _ in range(shared)]
+
+    def updates(self, grads: List[List[torch.Tensor]], step: int) -> Tuple[List[List[torch.Tensor]], float]:
+        """Each worker's update per parameter (flat), and the bytes the workers hand over for the shared second
+        moment (counted as dense tensors are: what every worker hands to its collective)."""
+        out: List[List[torch.Tensor]] = [[] for _ in range(self.workers)]
+        nbytes = 0.0
+        for i, p in enumerate(self.params):
+            group = self.group_of[id(p)]
+            beta1, beta2 = group["betas"]
+            local = [g[i].view_as(p) for g in grads]
+            if self.kind == "own":
+                for w in range(self.workers):
+                    self.rule.update_second_moment(self.v[w][i], local[w].square(), beta2)
+            else:
+                if self.kind == "oracle":
+                    signal = (sum(local) / self.workers).square()
+                elif self.kind == "ranksq":
+                    signal = sum(g.square() for g in local) / self.workers
+                else:
+                    signal = sum(self.rule.block_mean_squares(g, self.block) for g in local) / self.workers
+                self.rule.update_second_moment(self.v[0][i], signal, beta2)
+                nbytes += 4.0 * signal.numel() * self.workers
+            for w in range(self.workers):
+                u = self.rule.adam_update(
+                    p.detach(), local[w], self.m[w][i], self.v[w if self.kind == "own" else 0][i], step,
+                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                    decoupled=self.decoupled, block=self.block,
+                )
+                out[w].append(u.reshape(-1))
+        return out, nbytes
+
+
 def make_method(spec: str) -> Dict[str, object]:
     """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' ; bytes per entry/coordinate too."""
     parts = spec.split(":")
@@ -266,6 +329,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     per-tensor numbers (Diagnosis) in the result's "diagnosis"."""
     spec_head, _, boost = spec.partition("@boost=")
     method_spec, _, extra = spec_head.partition("@dense=")
+    # '+update:VARIANT' (last of the '+' suffixes): update mode; each worker's Adam update is what is compressed
+    method_spec, _, update_variant = method_spec.partition("+update:")
     method_spec, _, byte_sched = method_spec.partition("+sched:")
     method_spec, _, drip_cap = method_spec.partition("+drip:")
     method_spec, _, flush = method_spec.partition("+flush:")
@@ -302,6 +367,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
         for i in compressed:
             factors[i] = float(factor) if i in hit else low_factor
     residuals = [[p.new_zeros(p.numel()) for p in params] for _ in range(workers)]
+    local_adam = LocalAdam(update_variant, opt, params, workers) if update_variant else None
     gens = [torch.Generator().manual_seed(seed * 100 + w) for w in range(workers)]
     bytes_sent = 0.0
     bytes_dense = 0.0
@@ -315,6 +381,9 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
             model.zero_grad(set_to_none=True)
             task.loss(model, task.batch(gens[w])).backward()
             grads.append([p.grad.reshape(-1).clone() for p in params])
+        if local_adam is not None:  # what travels is each worker's own optimizer update, not its gradient
+            grads, signal_bytes = local_adam.updates(grads, step)
+            bytes_sent += signal_bytes
         for i, p in enumerate(params):
             numel = p.numel()
             bytes_dense += 4 * numel * workers
@@ -353,7 +422,12 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
             p.grad = applied.view_as(p)
         if "counter" in method:
             method["counter"][0] += 1
-        opt.step()
+        if local_adam is None:
+            opt.step()
+        else:  # the averaged applied update, the same on every worker
+            with torch.no_grad():
+                for p in params:
+                    p.sub_(p.grad)
         if sched is not None:
             sched.step()
         if step % task.eval_every == 0 or step == steps:
@@ -383,6 +457,8 @@ def main() -> None:
                              "staleness at the end, residual norm / applied norm")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # update mode steps its own Adam: the task's optimizer only carries the schedule's rates, never steps
+    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 as on the CPU
     torch.backends.cudnn.allow_tf32 = False
     options = {"device": args.device}

@@ -12,7 +12,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from .exchange import COLLECTIVE_LATENCY_BYTES, EXCHANGES
 
-__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS"]
+__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS", "TARGETS", "SECOND_MOMENTS"]
 
 #: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
 #: "exact": the framework's top-k over all entries (the reference).
@@ -23,6 +23,16 @@ VALUE_DTYPES = (None, "float32", "float16", "bfloat16", "float8")
 #: How indices travel: 32-bit, or 16-bit offsets within segments of 65536 entries plus a count per segment
 #: (core.encoding).
 INDEX_BITS = (32, 16)
+
+#: What is compressed and exchanged: each rank's gradient (the optimizer then steps on the average), or each rank's
+#: own optimizer update (core.update_mode).
+TARGETS = ("gradient", "update")
+#: Update mode's second moment: "shared" -- one per block of entries, the same on every rank (Adam/AdamW computed by
+#: horovod-topk from the user's optimizer's hyperparameters); "local" -- each rank's optimizer as it is.
+SECOND_MOMENTS = ("shared", "local")
+
+#: Entries per shared second-moment value unless the user says otherwise (core.update_mode says why this size).
+DEFAULT_SECOND_MOMENT_BLOCK = 256
 
 #: Indices travel as int32 (4 bytes instead of 8 per selected entry), so a tensor compressed as one payload must
 #: have fewer than 2**31 elements. Larger tensors are refused by name rather than silently wrapped.
@@ -71,6 +81,20 @@ class TopKConfig:
             A 100x gradient spike otherwise sits in the residual and crowds fresh gradients out of the payloads for
             ~75 steps (scripts/fault_study.py spike). Like gradient clipping it departs from what dense training
             would apply on such a step. Costs one read of the gradient per step. None (default): off.
+        target (str): what is compressed. "gradient" (default): each rank's gradient; the user's optimizer steps on
+            the average. "update": no gradient collective runs; each rank steps the optimizer on its own gradient,
+            and what travels (error feedback, selection, the same exchanges) is its update, parameters before minus
+            after; every rank then applies the average of the applied updates, bit-identical on every rank. For
+            Adam-family optimizers, which normalise each coordinate: a coordinate sent once every L steps as a
+            gradient moves ~sqrt(L) steps' worth under Adam, as an update L (core.update_mode).
+        second_moment (str): with target="update": "shared" (default) -- Adam/AdamW's step is computed by
+            horovod-topk from the optimizer's own hyperparameters, schedule and state, with one second moment per
+            block of ``second_moment_block`` entries built from every rank's squared gradients and the same on every
+            rank (the averaged update is then Adam's on the averaged first moment); one small allreduce per step.
+            "local": each rank steps its own optimizer, whatever it is (averaging updates normalised by different
+            second moments costs convergence as the number of ranks grows).
+        second_moment_block (int): entries per shared second-moment value (target="update", second_moment="shared");
+            the allreduce carries 4 bytes per block. Default 256 (0.4% of a dense float32 allreduce).
         log_every (int): telemetry (core.telemetry): every N steps, log one line through Python ``logging``
             (bytes sent, compression ratio, residual norm, time spent compressing) and write those scalars to the
             ``summary_writer=`` given to TopKEF, if any. Changes nothing on the wire; each report reads the
@@ -90,6 +114,9 @@ class TopKConfig:
     exchange: str = "auto"
     log_every: int = 0
     collective_latency_bytes: int = COLLECTIVE_LATENCY_BYTES
+    target: str = "gradient"
+    second_moment: str = "shared"
+    second_moment_block: int = DEFAULT_SECOND_MOMENT_BLOCK
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
@@ -129,6 +156,23 @@ class TopKConfig:
                              f"{self.collective_latency_bytes!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))}, got {self.target!r}")
+        if self.second_moment not in SECOND_MOMENTS:
+            raise ValueError(f"second_moment must be one of {', '.join(map(repr, SECOND_MOMENTS))}, got "
+                             f"{self.second_moment!r}")
+        if (isinstance(self.second_moment_block, bool) or not isinstance(self.second_moment_block, int)
+                or self.second_moment_block < 1):
+            raise ValueError(f"second_moment_block must be a positive integer, got {self.second_moment_block!r}")
+        if self.target == "gradient" and (self.second_moment != "shared" or self.second_moment_block != DEFAULT_SECOND_MOMENT_BLOCK):
+            raise ValueError("second_moment and second_moment_block apply to target='update' only (with "
+                             "target='gradient' the optimizer keeps its own moments of the averaged gradient)")
+        if self.target == "update" and self.momentum > 0:
+            raise ValueError("momentum (DGC momentum correction) applies to target='gradient'; with "
+                             "target='update' the optimizer's own momentum acts before compression")
+        if self.target == "update" and self.spike_guard is not None:
+            raise ValueError("spike_guard applies to target='gradient'; with target='update' clip the gradients "
+                             "before the step (torch.nn.utils.clip_grad_norm_ after optimizer.synchronize())")
         if self.compact and self.exchange == "sparse_allreduce":
             raise ValueError("exchange='sparse_allreduce' sends plain (int32, value) entries; the compact encoding "
                              "(index_bits=16, value_dtype='float8') travels by allgather: use exchange='allgather' "
@@ -156,7 +200,8 @@ class TopKConfig:
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
             for name in ("selector", "value_dtype", "index_bits", "dense_fallback", "warmup_steps", "momentum",
-                         "spike_guard", "exchange", "collective_latency_bytes")
+                         "spike_guard", "exchange", "collective_latency_bytes", "target", "second_moment",
+                         "second_moment_block")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

@@ -15,18 +15,19 @@ from __future__ import annotations
 import struct
 from typing import List, Optional, Sequence, Tuple
 
-from .config import VALUE_DTYPES, TopKConfig
+from .config import SECOND_MOMENTS, TARGETS, VALUE_DTYPES, TopKConfig
 from .exchange import DENSE, EXCHANGES
 
 __all__ = ["FINGERPRINT_LENGTH", "RankMismatch", "fingerprint", "mismatch_message", "check_name"]
 
-_VERSION = 2
+_VERSION = 3
 _MAX_DIMS = 8
 #: Element dtypes by the names both frameworks print ("float32", not "torch.float32"); others encode as -1.
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 #: The fields of a fingerprint, in order; the shape takes the last _MAX_DIMS + 1 slots (ndim, then the dims).
 _FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "index_bits", "dense_fallback", "warmup_steps",
-           "momentum", "dtype", "numel", "step", "decision", "exchange", "route")
+           "momentum", "dtype", "numel", "step", "decision", "exchange", "route", "target", "second_moment",
+           "second_moment_block")
 #: What a "route" field encodes: the exchange a tensor actually takes this step (core.exchange).
 _ROUTES = (DENSE,) + EXCHANGES
 FINGERPRINT_LENGTH = len(_FIELDS) + 1 + _MAX_DIMS
@@ -86,6 +87,9 @@ def fingerprint(
         -1 if k is None else int(k),
         EXCHANGES.index(config.exchange),
         _ROUTES.index(route) if route is not None else -1,
+        TARGETS.index(config.target),
+        SECOND_MOMENTS.index(config.second_moment),
+        int(config.second_moment_block),
         len(dims),
     ]
     values += (dims + [-1] * _MAX_DIMS)[:_MAX_DIMS]
@@ -104,6 +108,10 @@ def _readable(rows: Sequence[Sequence[int]]) -> List[Tuple[str, List[str]]]:
             shown = [repr(EXCHANGES[v]) if 0 <= v < len(EXCHANGES) else "?" for v in column]
         elif field == "route":
             shown = [_ROUTES[v] if 0 <= v < len(_ROUTES) else "unknown" for v in column]
+        elif field == "target":
+            shown = [repr(TARGETS[v]) if 0 <= v < len(TARGETS) else "?" for v in column]
+        elif field == "second_moment":
+            shown = [repr(SECOND_MOMENTS[v]) if 0 <= v < len(SECOND_MOMENTS) else "?" for v in column]
         elif field == "value_dtype":
             shown = [repr(VALUE_DTYPES[v]) if 0 <= v < len(VALUE_DTYPES) else "?" for v in column]
         elif field == "dtype":

@@ -10,7 +10,7 @@ routes the mark and the tensor is simply reduced dense.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
@@ -18,6 +18,7 @@ from ..core import (
     PayloadLayout,
     PendingReduction,
     RankMismatch,
+    TensorPlan,
     TensorRecord,
     TopKEFBase,
     allgather_name,
@@ -29,10 +30,12 @@ from ..core import (
     sample_size,
 )
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
+from ..core.update_mode import update_tensor_name
 from . import encoding, ops
 from .exchange import ExchangeRequest
 from .selection import Backend, backend_for, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
+from .update_mode import LocalHandle
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather"]
 
@@ -145,24 +148,65 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         prescale_factor: float,
         postscale_factor: float,
         process_set: Any,
-    ) -> Optional[TopKHandle]:
-        """Start the compressed reduction of ``tensor`` called ``name``; None if it must go dense.
+    ) -> Optional[Union[TopKHandle, LocalHandle]]:
+        """Start the compressed reduction of the gradient ``tensor`` called ``name``; None if it must go dense.
 
         The caller issues the dense allreduce itself for a None, so that dense tensors of a group stay one
-        grouped collective.
+        grouped collective. With ``target="update"`` the gradient stays on this rank (torch.update_mode exchanges
+        the update after the local step).
         """
+        if self.config.target == "update":
+            return self._hold_local(tensor, pending, name, process_set)
+        return self.start_exchange(tensor, pending, name, op=op, prescale_factor=prescale_factor,
+                                   postscale_factor=postscale_factor, process_set=process_set)
+
+    def _hold_local(self, tensor: torch.Tensor, pending: PendingReduction, name: str, process_set: Any) -> LocalHandle:
+        """Update mode's gradient: no collective; on the tensor's first step the ranks' agreement check, under the
+        name gradient mode gives it, so that a rank in the other mode meets it and both raise instead of hanging."""
+        pending.route = "local"
+        record = self.registry.record(update_tensor_name(name), tuple(tensor.shape))
+        if not record.verified:
+            record.verified = True
+            update = torch.empty((), dtype=torch.float32).expand(tensor.shape)  # what will travel: a float32 update
+            plan = self._plan(name, update, record, process_set.size())
+            pending.check = self._agreement_check(name, record, update, plan.k, process_set, plan.exchange)
+        return LocalHandle(tensor)
+
+    def _plan(self, name: str, tensor: torch.Tensor, record: TensorRecord[torch.Tensor], world_size: int) -> TensorPlan:
+        """core's plan for ``tensor`` at its record's step: dense or Top-K, k, and the exchange."""
+        return plan_tensor(
+            name, tensor.numel(), tensor.is_floating_point(), self.config, world_size=world_size,
+            step=record.steps, value_itemsize=_dtype_token(self._wire_dtype(tensor)).element_size(),
+            grad_itemsize=tensor.element_size(), sparse_available=True,
+        )
+
+    def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        """What the values of ``tensor``'s payload travel as (TopKConfig.value_dtype, or its own dtype)."""
+        if not tensor.is_floating_point():
+            return tensor.dtype
+        return _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype)
+
+    def start_exchange(
+        self,
+        tensor: torch.Tensor,
+        pending: PendingReduction,
+        name: str,
+        *,
+        op: Any,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: Any,
+    ) -> Optional[TopKHandle]:
+        """Error feedback, selection and the exchange of ``tensor`` (a gradient, or in update mode an update) called
+        ``name``; None if it must go dense (the caller then allreduces it: the residual's leftovers are in it)."""
         from horovod.torch.mpi_ops import Average, Sum
 
         op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         world_size = process_set.size()
         scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
-        wire_dtype = _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype) if tensor.is_floating_point() else tensor.dtype
+        wire_dtype = self._wire_dtype(tensor)
         record = self.registry.record(name, tuple(tensor.shape))
-        plan = plan_tensor(
-            name, tensor.numel(), tensor.is_floating_point(), self.config, world_size=world_size,
-            step=record.steps, value_itemsize=_dtype_token(wire_dtype).element_size(),
-            grad_itemsize=tensor.element_size(), sparse_available=True,
-        )
+        plan = self._plan(name, tensor, record, world_size)
         dense_nbytes = tensor.numel() * tensor.element_size()
         if self.config.spike_guard is not None and tensor.is_floating_point():
             self._guard_spike(record, tensor)

@@ -22,6 +22,7 @@ import torch
 from ..core import group_member_name, pending_of, refuse_unsupported_op
 from .compressor import TopKEF, TopKHandle
 from .sparse_allreduce import SparseAllreduceHandle
+from .update_mode import LocalHandle, UpdateStep
 
 __all__ = ["install", "GroupHandle", "CheckedHandle", "ScopedCompression"]
 
@@ -194,7 +195,7 @@ def install() -> None:
         return GroupHandle(len(tensors), topk, dense_positions, dense_handle, horovod_synchronize, checks)
 
     def synchronize(handle: Any) -> Any:
-        if isinstance(handle, (TopKHandle, SparseAllreduceHandle, GroupHandle, CheckedHandle)):
+        if isinstance(handle, (TopKHandle, SparseAllreduceHandle, GroupHandle, CheckedHandle, LocalHandle)):
             return handle()
         return horovod_synchronize(handle)
 
@@ -225,7 +226,10 @@ def install() -> None:
             arguments["named_parameters"] = list(arguments["named_parameters"])
         scope = compressor.scope_for(_named_parameters(optimizer, arguments["named_parameters"]))
         arguments["compression"] = ScopedCompression(compressor, scope)
-        return horovod_distributed_optimizer(*bound.args, **bound.kwargs)
+        distributed = horovod_distributed_optimizer(*bound.args, **bound.kwargs)
+        if compressor.config.target == "update":  # the step exchanges updates (torch.update_mode)
+            UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize).install()
+        return distributed
 
     hvd_optimizer.allreduce_async_ = allreduce_async_
     hvd_optimizer.grouped_allreduce_async_ = grouped_allreduce_async_

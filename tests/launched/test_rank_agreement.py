@@ -15,6 +15,8 @@ def test_disagreeing_ranks_raise_on_every_rank_naming_tensor_and_field():
         "ratio": ["ratio (rank 0: 0.01, rank 1: 0.05)"],
         "shape": ["shape (rank 0: (4, 64), rank 1: (4, 128))", "numel (rank 0: 256, rank 1: 512)"],
         "step": ["step (rank 0: 0, rank 1: 5)"],
+        "target": ["target (rank 0: 'gradient', rank 1: 'update')"],
+        "second_moment": ["second_moment (rank 0: 'shared', rank 1: 'local')"],
     }
     for case, fragments in expected.items():
         message = results[case]

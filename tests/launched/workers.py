@@ -9,7 +9,8 @@ from torch import nn
 def _one_step(net: nn.Module, forward: nn.Module, compressor) -> None:
     import horovod.torch as hvd
 
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+    # Adam: the one optimizer every mode takes (update mode's shared second moment computes Adam/AdamW only)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.1),
                                    named_parameters=net.named_parameters(), compression=compressor)
     forward(torch.randn(8, 64)).sum().backward()
     opt.step()
@@ -35,6 +36,10 @@ def rank_agreement_cases() -> Dict[str, str]:
         # rank 1 resumed from a checkpoint at another step
         "step": lambda: TopKEF(ratio=0.01),
         "none": lambda: TopKEF(ratio=0.01),
+        # rank 1 holds its gradients and exchanges updates after its step; rank 0 allgathers gradients
+        "target": lambda: TopKEF(ratio=0.01, target="update", second_moment="local") if other else TopKEF(ratio=0.01),
+        # both in update mode, with different second moments
+        "second_moment": lambda: TopKEF(ratio=0.01, target="update", second_moment="local" if other else "shared"),
     }
     results: Dict[str, str] = {}
     for case, make in cases.items():

@@ -1,0 +1,247 @@
+"""Update mode for ``hvd.DistributedOptimizer``: each rank steps on its own gradient, the updates travel (core.update_mode).
+
+What one step does, on every rank:
+
+1. backward: the routing holds each marked gradient locally (no collective; on a tensor's first step only the ranks'
+   agreement check starts, under the same name gradient mode would use, so ranks in different modes raise instead
+   of hanging);
+2. ``synchronize()``: one allreduce of this rank's count of non-finite gradient entries. When any rank has one,
+   every rank's gradients are set to NaN, so that AMP's GradScaler skips the step on every rank alike, and a
+   ``step()`` without GradScaler skips it too (nothing changes anywhere);
+3. ``step()``: with the shared second moment, one allreduce of every tensor's block mean squares (after the user
+   clipped or unscaled), then this rank's Adam/AdamW update from the optimizer's own hyperparameters and state;
+   with ``second_moment="local"`` the user's optimizer steps and the update is parameters before minus after (the
+   parameters are put back). Each update goes through the compressor's exchange (error feedback, selection,
+   allgather / sparse allreduce / compact encoding, or a dense allreduce for small tensors), and every rank
+   subtracts the average of the applied updates from the same parameters: bit-identical on every rank.
+
+After the step ``p.grad`` still holds this rank's own gradient: no averaged gradient exists in update mode.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..core import PendingReduction
+from ..core.update_mode import MOMENTS_NAME, moments_layout, shared_moment_hyperparameters, update_tensor_name
+from . import update_rule
+
+__all__ = ["UpdateStep", "LocalHandle", "FLAG_NAME"]
+
+#: The name of synchronize()'s non-finite agreement (a one-element allreduce).
+FLAG_NAME = "topk.update.nonfinite"
+
+
+class LocalHandle:
+    """A gradient held on its rank in update mode: waiting returns it unchanged."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def __call__(self) -> torch.Tensor:
+        return self._tensor
+
+
+class UpdateStep:
+    """Update mode's ``synchronize`` and ``step`` for one ``hvd.DistributedOptimizer`` (installed on the instance).
+
+    Args:
+        optimizer: the object ``hvd.DistributedOptimizer`` returned (a subclass of the user's optimizer class).
+        compressor: the TopKEF whose configuration says ``target="update"``; it holds the residuals.
+        scope: this optimizer's name prefix in the compressor (core.scopes).
+        dense_allreduce_async_, wait: Horovod's own allreduce and synchronize (the routing's originals).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        compressor: Any,
+        scope: str,
+        dense_allreduce_async_: Callable[..., Any],
+        wait: Callable[[Any], torch.Tensor],
+    ) -> None:
+        self.optimizer = optimizer
+        self.compressor = compressor
+        self.config = compressor.config
+        self.scope = scope
+        self._dense_allreduce_async_ = dense_allreduce_async_
+        self._wait = wait
+        #: The user's optimizer class: Horovod builds a subclass of it per DistributedOptimizer call.
+        self.user_class = type(optimizer).__mro__[1]
+        #: Whether this step was found non-finite on some rank (set by synchronize, read by step).
+        self._skip = False
+        #: Steps every rank skipped because some rank's gradient held NaN/Inf.
+        self.skipped_steps = 0
+        if self.config.second_moment == "shared":
+            for group in optimizer.param_groups:  # refuse what the shared second moment cannot do, before training
+                shared_moment_hyperparameters(self.user_class.__name__, group)
+
+    def install(self) -> None:
+        """Replace the optimizer instance's ``synchronize`` and ``step`` (its class and Horovod stay as they are)."""
+        optimizer = self.optimizer
+        horovod_synchronize = optimizer.synchronize  # resolves the held handles and first-step agreement checks
+
+        def synchronize() -> None:
+            horovod_synchronize()
+            self._agree_finite()
+
+        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+            if closure is not None:
+                raise ValueError("horovod-topk: TopKEF(target='update') does not take a closure in step(): "
+                                 "call loss.backward() before optimizer.step()")
+            if optimizer._should_synchronize:
+                if optimizer._synchronized:
+                    warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                                  "optimizer.synchronize(): the gradients are checked twice.", stacklevel=2)
+                optimizer.synchronize()
+            optimizer._synchronized = False
+            return self.step()
+
+        optimizer.synchronize = synchronize  # type: ignore[method-assign]
+        optimizer.step = step  # type: ignore[method-assign]
+
+    # ---- the collectives ------------------------------------------------------------------------------------
+    def _entries(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of every trainable parameter, in name order: the same list on every rank, whichever
+        parameters this rank's backward reached (a parameter without a gradient here contributes a zero one)."""
+        names = self.optimizer._parameter_names
+        entries = [(names[p], p) for group in self.optimizer.param_groups for p in group["params"]
+                   if p.requires_grad]
+        return sorted(entries, key=lambda entry: entry[0])
+
+    @staticmethod
+    def _gradient(p: torch.nn.Parameter) -> torch.Tensor:
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def _process_set(self) -> Any:
+        from horovod.torch.mpi_ops import global_process_set
+
+        return getattr(self.optimizer, "process_set", global_process_set)
+
+    def _allreduce_sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        from horovod.torch.mpi_ops import Sum
+
+        handle = self._dense_allreduce_async_(values, name=name, op=Sum, process_set=self._process_set())
+        return self._wait(handle)
+
+    def _agree_finite(self) -> None:
+        """Every rank learns whether any rank's gradient holds NaN/Inf; if so every rank's gradients become NaN."""
+        entries = self._entries()
+        counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries
+                  if p.grad is not None and p.grad.is_floating_point()]
+        count = torch.stack(counts).sum().reshape(1).double().cpu() if counts else torch.zeros(1, dtype=torch.float64)
+        total = float(self._allreduce_sum(count, FLAG_NAME)[0])
+        self._skip = total > 0
+        if self._skip:
+            for _, p in entries:
+                if p.grad is not None and p.grad.is_floating_point():
+                    p.grad.fill_(float("nan"))
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        entries = self._entries()
+        if self._skip:
+            self._skip = False
+            self.skipped_steps += 1
+            return None
+        if self.config.second_moment == "shared":
+            updates = self._shared_moment_updates(entries)
+            if updates is None:  # the gradients changed after synchronize() and some rank's are non-finite now
+                self.skipped_steps += 1
+                return None
+        else:
+            updates = self._local_updates(entries)
+        self._exchange_and_apply(entries, updates)
+        return None
+
+    def _shared_moment_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> Optional[List[torch.Tensor]]:
+        """Each parameter's Adam/AdamW update under the shared block second moment, from this rank's gradient and
+        first moment; None when some rank's gradient is non-finite (every rank returns None alike)."""
+        block = self.config.second_moment_block
+        layout = moments_layout([p.numel() for _, p in entries], block, shared=True)
+        device = entries[0][1].device if entries else torch.device("cpu")
+        squares = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        for (offset, count), (_, p) in zip(layout.spans, entries):
+            grad = self._gradient(p)
+            squares[offset:offset + count] = update_rule.block_mean_squares(grad, block)
+            squares[layout.flag_index] += (~torch.isfinite(grad)).sum()
+        world_size = self._process_set().size()
+        shared = self._allreduce_sum(squares, MOMENTS_NAME)
+        if float(shared[layout.flag_index]) > 0:
+            return None
+        shared /= world_size
+        group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        updates = []
+        for (offset, count), (name, p) in zip(layout.spans, entries):
+            lr, beta1, beta2, eps, weight_decay, decoupled = shared_moment_hyperparameters(
+                self.user_class.__name__, group_of[id(p)])
+            state = self._shared_state(name, p, count)
+            state["step"] += 1
+            update_rule.update_second_moment(state["shared_exp_avg_sq"], shared[offset:offset + count], beta2)
+            updates.append(update_rule.adam_update(
+                p.detach(), self._gradient(p), state["exp_avg"], state["shared_exp_avg_sq"], int(state["step"].item()),
+                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                block=block,
+            ))
+        return updates
+
+    def _shared_state(self, name: str, p: torch.nn.Parameter, blocks: int) -> Dict[str, torch.Tensor]:
+        """The optimizer's state of ``p`` (saved with optimizer.state_dict()): step, this rank's first moment, and the
+        shared block second moment -- created on first use."""
+        state = self.optimizer.state[p]
+        if "shared_exp_avg_sq" not in state:
+            if len(state) != 0:
+                raise ValueError(
+                    f"horovod-topk: the optimizer's state of {name!r} was made without TopKEF(target='update', "
+                    f"second_moment='shared') (keys {sorted(state)}); update mode's shared second moment starts "
+                    f"from a fresh optimizer state, or resumes from one it saved itself.")
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["shared_exp_avg_sq"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        elif state["shared_exp_avg_sq"].numel() != blocks:
+            raise ValueError(f"horovod-topk: the shared second moment of {name!r} has "
+                             f"{state['shared_exp_avg_sq'].numel()} blocks, the parameter needs {blocks} "
+                             f"(another second_moment_block or another model?)")
+        return state
+
+    def _local_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> List[torch.Tensor]:
+        """The user's optimizer steps on this rank's gradient; each update is parameters before minus after (float32),
+        and the parameters are put back to before, where every rank holds the same values."""
+        with torch.no_grad():
+            before = [p.detach().clone() for _, p in entries]
+            self.user_class.step(self.optimizer)
+            updates = [b.float() - p.detach().float() for b, (_, p) in zip(before, entries)]
+            for b, (_, p) in zip(before, entries):
+                p.copy_(b)
+        return updates
+
+    def _exchange_and_apply(self, entries: List[Tuple[str, torch.nn.Parameter]], updates: List[torch.Tensor]) -> None:
+        """Every update through the compressor's exchange (dense allreduce where core's plan says dense); then
+        ``p -= average`` with the same values on every rank. Waited in start order."""
+        from horovod.torch.mpi_ops import Average
+
+        optimizer = self.optimizer
+        op = optimizer.op
+        predivide = getattr(optimizer, "gradient_predivide_factor", 1.0)
+        prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, 1.0)
+        process_set = self._process_set()
+        started = []
+        for (name, p), update in zip(entries, updates):
+            key = update_tensor_name(self.scope + name)
+            pending = PendingReduction(self.compressor, update.dtype, tuple(update.shape), scope=self.scope)
+            handle = self.compressor.start_exchange(
+                update, pending, key, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                process_set=process_set)
+            if handle is None:
+                handle = self._dense_allreduce_async_(
+                    update, name=key, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                    process_set=process_set)
+            started.append((p, pending, handle))
+        with torch.no_grad():
+            for p, pending, handle in started:
+                if pending.check is not None:
+                    pending.check()
+                applied = handle() if callable(handle) else self._wait(handle)
+                p.sub_(applied.view_as(p).to(p.dtype))

@@ -1,0 +1,92 @@
+"""The math of update mode (core.config ``target="update"``): each rank's local Adam update under a second moment
+that every rank shares.
+
+Why a shared second moment: averaging P updates that were each normalised by their own rank's second moment is not
+Adam on the averaged gradient (it costs convergence even uncompressed, more as P grows). With one second moment
+``v`` on every rank, each rank's update ``lr * m_i / (sqrt(v) + eps)`` is linear in its own first moment ``m_i``, so
+the average of the P updates is exactly the update of Adam whose first moment is the average of the ranks' -- which
+is Adam on the averaged gradient, since ``m`` is linear in the gradients.
+
+Why blocks: the shared ``v`` must be built from every rank's gradient, so it costs a collective. A per-coordinate
+``v`` would cost a dense allreduce; one value per block of ``block`` consecutive entries (the mean of the ranks'
+squared gradients over the block, as Adam-mini shares one second moment per block) costs ``1/block`` of one.
+The ranks contribute their *own* squared gradients: the mean over ranks of ``g_i**2`` is what every rank can
+form without the averaged gradient.
+
+Pure functions of tensors: no collectives and no state here (torch.update_mode holds the state and the calls).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["block_mean_squares", "expand_blocks", "block_count", "adam_update", "update_second_moment"]
+
+
+def block_count(numel: int, block: int) -> int:
+    """How many second-moment values a tensor of ``numel`` entries shares (the last block may be short)."""
+    return -(-numel // block)
+
+
+def block_mean_squares(grad: torch.Tensor, block: int) -> torch.Tensor:
+    """The mean of ``grad**2`` over each block of ``block`` consecutive entries (float32; the last block is the mean
+    of the entries it has). A NaN/Inf entry makes its block's value non-finite: the caller decides what that means.
+    """
+    flat = grad.reshape(-1).float()
+    n = flat.numel()
+    count = block_count(n, block)
+    padded = flat.new_zeros(count * block)
+    padded[:n] = flat
+    sums = padded.view(count, block).square().sum(dim=1)
+    sizes = torch.full((count,), float(block), dtype=sums.dtype, device=sums.device)
+    sizes[-1] = float(n - (count - 1) * block)
+    return sums / sizes
+
+
+def expand_blocks(values: torch.Tensor, numel: int, block: int) -> torch.Tensor:
+    """One value per block back to one per entry (a view where possible)."""
+    return values.repeat_interleave(block)[:numel]
+
+
+def adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    block: Optional[int] = None,
+) -> torch.Tensor:
+    """The local update ``param_before - param_after`` of one Adam (``decoupled=False``) or AdamW step, as
+    ``torch.optim.Adam``/``AdamW`` compute it, with the first moment ``exp_avg`` (this rank's, updated in place)
+    and a second moment ``exp_avg_sq`` that the caller has already updated with the shared signal (one value per
+    entry, or per block of ``block`` entries). ``step`` counts from 1. ``param`` is not changed.
+
+    Returns the update in float32 (the residual's precision), shaped as ``param``.
+    """
+    g = grad.float()
+    p = param.float()
+    if weight_decay and not decoupled:  # Adam's L2 penalty joins the gradient, hence the first moment
+        g = g.add(p, alpha=weight_decay)
+    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    v = exp_avg_sq if block is None else expand_blocks(exp_avg_sq, param.numel(), block).view(param.shape)
+    denom = (v / bias2).sqrt_().add_(eps)
+    update = exp_avg / denom * (lr / bias1)
+    if weight_decay and decoupled:  # AdamW's decay acts on the parameter, the same on every rank
+        update.add_(p, alpha=lr * weight_decay)
+    return update
+
+
+def update_second_moment(exp_avg_sq: torch.Tensor, signal: torch.Tensor, beta2: float) -> None:
+    """``exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * signal`` in place (signal: the ranks' shared squares)."""
+    exp_avg_sq.mul_(beta2).add_(signal, alpha=1.0 - beta2)
+

@@ -1,0 +1,64 @@
+"""Update mode's framework-free decisions: its options, its moments buffer, the optimizers the shared second moment
+reproduces, and the agreement fingerprint that covers the mode."""
+import pytest
+
+from horovod_topk.core import TopKConfig, fingerprint, mismatch_message
+from horovod_topk.core.update_mode import moments_layout, shared_moment_hyperparameters, update_tensor_name
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"target": "updates"}, "target must be one of"),
+    ({"target": "update", "second_moment": "global"}, "second_moment must be one of"),
+    ({"target": "update", "second_moment_block": 0}, "second_moment_block must be a positive integer"),
+    ({"target": "update", "second_moment_block": True}, "second_moment_block must be a positive integer"),
+    ({"second_moment": "local"}, "apply to target='update' only"),
+    ({"second_moment_block": 64}, "apply to target='update' only"),
+    ({"target": "update", "momentum": 0.9}, "momentum"),
+    ({"target": "update", "spike_guard": 10.0}, "spike_guard"),
+])
+def test_update_mode_options_are_validated_by_name(options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        TopKConfig(**options)
+
+
+def test_update_mode_options_round_trip_and_show_in_the_description():
+    config = TopKConfig(target="update", second_moment="local", second_moment_block=64)
+    assert TopKConfig.from_dict(config.to_dict()) == config
+    assert "target='update'" in config.describe() and "second_moment='local'" in config.describe()
+    assert "target" not in TopKConfig().describe()
+
+
+def test_moments_layout_gives_each_tensor_its_blocks_and_ends_with_the_non_finite_count():
+    layout = moments_layout([1000, 10, 256, 257], block=256, shared=True)
+    assert layout.spans == ((0, 4), (4, 1), (5, 1), (6, 2))
+    assert layout.flag_index == 8 and layout.numel == 9
+    local = moments_layout([1000, 10], block=256, shared=False)
+    assert local.spans == ((0, 0), (0, 0)) and local.numel == 1
+
+
+def test_shared_second_moment_reads_adam_and_adamw_and_refuses_the_rest_by_name():
+    group = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False}
+    assert shared_moment_hyperparameters("AdamW", group) == (0.01, 0.9, 0.95, 1e-8, 0.1, True)
+    assert shared_moment_hyperparameters("Adam", group)[-1] is False
+    with pytest.raises(ValueError, match="SGD.*second_moment='local'"):
+        shared_moment_hyperparameters("SGD", {"lr": 0.1})
+    for option in ("amsgrad", "maximize", "differentiable"):
+        with pytest.raises(ValueError, match=option):
+            shared_moment_hyperparameters("Adam", dict(group, **{option: True}))
+
+
+def test_update_residuals_have_names_of_their_own():
+    assert update_tensor_name("fc.weight") == "update.fc.weight" != "fc.weight"
+
+
+def test_the_agreement_covers_the_mode_and_the_second_moment():
+    def row(config):
+        return fingerprint(config, (64, 64), "float32", 0, 41, "allgather")
+
+    gradient, update = TopKConfig(), TopKConfig(target="update")
+    message = mismatch_message("fc.weight", [row(gradient), row(update)])
+    assert "target (rank 0: 'gradient', rank 1: 'update')" in message
+    local = TopKConfig(target="update", second_moment="local")
+    assert "second_moment (rank 0: 'shared', rank 1: 'local')" in mismatch_message("w", [row(update), row(local)])
+    blocks = TopKConfig(target="update", second_moment_block=64)
+    assert "second_moment_block (rank 0: 256, rank 1: 64)" in mismatch_message("w", [row(update), row(blocks)])

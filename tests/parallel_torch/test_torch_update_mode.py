@@ -1,0 +1,269 @@
+"""Update mode (TopKEF(target="update")) on real Horovod workers: each rank steps on its own gradient and the
+updates travel. Checked here: parity with plain Horovod where the two must agree (SGD without momentum), Adam
+under the shared second moment against an independent one-step reference, the error-feedback invariant over all
+ranks, bit-identical parameters on every rank, non-finite gradients on one rank (with and without AMP's
+GradScaler), exact resume from a checkpoint, and what is refused."""
+from typing import Dict, List
+
+import horovod.torch as hvd
+import pytest
+import torch
+from torch import nn
+
+from horovod_topk.core.update_mode import update_tensor_name
+from horovod_topk.torch import TopKEF
+
+from .conftest import SINGLE_RANK_SETS
+from .torch_harness import Net, assert_same_params, batch, differs, train
+
+EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False, target="update")
+SGD = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+ADAM = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+ADAMW = lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)  # noqa: E731
+
+PARITY_OPTIONS = {
+    "named": {},
+    "unnamed": {"named": False},
+    "groups_int": {"groups": 2},
+    "groups_list": {"groups": "list"},
+    "two_backward_passes": {"passes": 2},
+    "op_sum": {"op": hvd.Sum},
+    "predivide": {"gradient_predivide_factor": 2.0},
+}
+
+
+def gathered(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Every rank's ``tensor``, stacked (rank order)."""
+    return hvd.allgather(tensor.detach().unsqueeze(0).contiguous(), name="test.update." + name)
+
+
+def identical_across_ranks(params: Dict[str, torch.Tensor]) -> List[str]:
+    """Names of the parameters whose values differ between ranks (bit for bit)."""
+    out = []
+    for name, value in params.items():
+        bits = value.view(torch.int16) if value.dtype == torch.bfloat16 else value  # Horovod gathers no bfloat16
+        every = gathered(bits, "same." + name)
+        if not all(torch.equal(every[0], every[r]) for r in range(1, every.shape[0])):
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("option", list(PARITY_OPTIONS))
+def test_sgd_without_momentum_at_ratio_one_matches_plain_horovod(option):
+    """For SGD without momentum the average of the local updates is the update of the averaged gradient."""
+    kwargs = PARITY_OPTIONS[option]
+    plain = train(hvd.Compression.none, optimizer_factory=SGD, **kwargs)
+    compressor = TopKEF(**EVERYTHING, second_moment="local")
+    ours = train(compressor, optimizer_factory=SGD, **kwargs)
+    initial = train(hvd.Compression.none, steps=0, optimizer_factory=SGD, **kwargs)
+    assert_same_params(ours, plain)
+    assert "fc1.weight" in differs(plain, initial)
+    assert identical_across_ranks(ours) == []
+    stats = compressor.stats()
+    assert stats["tensors_compressed"] >= 8 and stats["bytes_sent"] > 0
+    assert all(name.startswith("update.") for name, _ in compressor.registry)
+
+
+def test_process_set_of_one_rank_steps_on_its_own_gradient_alone():
+    """A process set of one rank: its update is its own, nothing waits on the other rank."""
+    mine = SINGLE_RANK_SETS[hvd.rank()]
+    ours = train(TopKEF(**EVERYTHING, second_moment="local"), optimizer_factory=SGD, process_set=mine)
+    alone = train(hvd.Compression.none, optimizer_factory=SGD, process_set=mine)
+    assert_same_params(ours, alone)
+
+
+@pytest.mark.parametrize("block", [1, 4, 256])
+@pytest.mark.parametrize("factory", ["adam", "adamw"])
+def test_shared_second_moment_first_step_matches_an_independent_reference(block, factory):
+    """Step 1 of Adam from a fresh state: m/(1 - b1) = g_i and v/(1 - b2) = s, the ranks' mean of their squared
+    gradients averaged over each block; so the averaged update is lr * mean_i(g_i) / (sqrt(s) + eps) (+ AdamW's
+    decay lr * wd * p)."""
+    lr, eps, wd = 0.01, 1e-8, (0.1 if factory == "adamw" else 0.0)
+    make = ADAM if factory == "adam" else ADAMW
+    grads: Dict[str, torch.Tensor] = {}
+
+    def capture(model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+
+    initial = train(hvd.Compression.none, steps=0)
+    ours = train(TopKEF(**EVERYTHING, second_moment_block=block), steps=1, optimizer_factory=make,
+                 on_synchronized=capture)
+    for name, p0 in initial.items():
+        every = gathered(grads[name], "grad." + name).double()  # (ranks, *shape)
+        mean_grad = every.mean(0).reshape(-1)
+        squares = every.square().mean(0).reshape(-1)
+        s = torch.cat([chunk.mean().expand(len(chunk)) for chunk in squares.split(block)])
+        expected = p0.double().reshape(-1) - lr * mean_grad / (s.sqrt() + eps) - lr * wd * p0.double().reshape(-1)
+        torch.testing.assert_close(ours[name].double().reshape(-1), expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def _adam_local_update(state: dict, before: torch.Tensor, lr: float, betas, eps: float, block: int) -> torch.Tensor:
+    """This rank's update recomputed from the optimizer state the step left behind (an independent formula)."""
+    step = int(state["step"])
+    m_hat = state["exp_avg"].double() / (1 - betas[0] ** step)
+    v = state["shared_exp_avg_sq"].double().repeat_interleave(block)[: before.numel()].view_as(before)
+    return lr * m_hat / ((v / (1 - betas[1] ** step)).sqrt() + eps)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_error_feedback_invariant_and_identical_parameters_with_adam(exchange):
+    """Over all ranks, every step: sum of new residuals + P * applied == sum of (old residuals + local updates)."""
+    lr, betas, eps, block = 0.01, (0.9, 0.999), 1e-8, 16
+    torch.manual_seed(0)
+    model = Net()
+    compressor = TopKEF(ratio=0.05, min_numel=0, dense_fallback=False, target="update", exchange=exchange,
+                        second_moment_block=block)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr, betas=betas, eps=eps),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+    world = hvd.size()
+    for step in range(4):
+        opt.zero_grad()
+        x, tokens, y = batch(step)
+        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        old = {n: _residual(compressor, n, p.numel()) for n, p in before.items()}
+        opt.step()
+        for name, p in model.named_parameters():
+            update = _adam_local_update(opt.state[p], before[name], lr, betas, eps, block)
+            applied = (before[name] - p.detach()).double()
+            left = hvd.allreduce(_residual(compressor, name, p.numel()), op=hvd.Sum, name=f"test.inv.l.{step}.{name}")
+            right = hvd.allreduce(old[name] + update.reshape(-1), op=hvd.Sum, name=f"test.inv.r.{step}.{name}")
+            # applied is read back from float32 parameters: P times their rounding (|p| < 8: 2**-21) is allowed
+            torch.testing.assert_close(left + world * applied.reshape(-1), right, rtol=1e-5, atol=world * 2**-21,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+    assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
+    assert compressor.stats()["residual_norm"] > 0  # ratio 0.05 left something behind
+
+
+def _residual(compressor: TopKEF, name: str, numel: int) -> torch.Tensor:
+    record = compressor.registry.records.get(update_tensor_name(name))
+    if record is None or record.residual is None:
+        return torch.zeros(numel, dtype=torch.float64)
+    return record.residual.double().clone()
+
+
+@pytest.mark.parametrize("case", ["float16", "bfloat16", "compact", "sparse_allreduce", "local_adamw", "clip"])
+def test_parameters_stay_bit_identical_on_every_rank(case):
+    options = dict(ratio=0.05, target="update")
+    kwargs: dict = {"optimizer_factory": ADAMW, "steps": 5}
+    if case in ("float16", "bfloat16"):
+        kwargs["dtype"] = getattr(torch, case)
+        kwargs["optimizer_factory"] = lambda params: torch.optim.AdamW(params, lr=0.01, eps=1e-4)
+    elif case == "compact":
+        options.update(index_bits=16, value_dtype="float8")
+    elif case == "sparse_allreduce":
+        options.update(exchange="sparse_allreduce", min_numel=0, dense_fallback=False)
+    elif case == "local_adamw":
+        options.update(second_moment="local")
+    elif case == "clip":
+        kwargs["clip"] = 0.5  # clips each rank's own gradient (the only one it has)
+    initial = train(hvd.Compression.none, steps=0, dtype=kwargs.get("dtype", torch.float32))
+    ours = train(TopKEF(**options), **kwargs)
+    assert identical_across_ranks(ours) == []
+    assert "fc1.weight" in differs(ours, initial)
+    assert all(bool(torch.isfinite(v).all()) for v in ours.values())
+
+
+@pytest.mark.parametrize("second_moment", ["shared", "local"])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(second_moment):
+    torch.manual_seed(0)
+    model = Net()
+    compressor = TopKEF(ratio=0.05, target="update", second_moment=second_moment)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+    snapshots = []
+    for step in range(3):
+        opt.zero_grad()
+        x, tokens, y = batch(step)
+        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+        if step == 1 and hvd.rank() == 1:
+            model.fc1.weight.grad[0, 0] = float("inf")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state_before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+        opt.step()
+        snapshots.append((before, state_before))
+    after_skip = snapshots[2][0]
+    assert_same_params(after_skip, snapshots[1][0])  # step 1 changed no parameter on any rank
+    for name, p in model.named_parameters():
+        for key, value in snapshots[2][1][name].items():
+            assert torch.equal(value, snapshots[1][1][name][key]), (name, key)  # nor any optimizer state
+    assert differs({n: p.detach() for n, p in model.named_parameters()}, after_skip)  # step 2 trained again
+    assert all(bool(torch.isfinite(r.residual).all()) for _, r in compressor.registry if r.residual is not None)
+    assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
+
+
+def test_amp_grad_scaler_skips_the_same_step_on_every_rank():
+    """GradScaler looks at this rank's gradients: synchronize() has made them non-finite on every rank when any
+    rank's were, so every rank skips the step (no collective left unmatched) and lowers its scale alike."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression=TopKEF(ratio=0.05, target="update"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    moved = []
+    for step in range(3):
+        opt.zero_grad()
+        x, tokens, y = batch(step)
+        scaler.scale(nn.functional.cross_entropy(model(x, tokens, True), y)).backward()
+        if step == 1 and hvd.rank() == 0:
+            model.fc2.weight.grad[0, 0] = float("nan")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        moved.append(bool(differs({n: p.detach() for n, p in model.named_parameters()}, before)))
+    scales = gathered(torch.tensor([scaler.get_scale()]), "scale")
+    assert moved == [True, False, True]
+    assert scales[0].item() == scales[1].item() == 512.0
+    assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
+
+
+def test_checkpoint_resumes_exactly():
+    """Each rank saves its own model, optimizer state (its first moment is its own) and residuals; a new
+    model/optimizer/compressor loading them continues bit for bit as the uninterrupted run."""
+
+    def run(steps: range, state=None):
+        torch.manual_seed(0)
+        model = Net()
+        compressor = TopKEF(ratio=0.05, target="update")
+        opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), compression=compressor)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            compressor.load_state_dict(state["topk"])
+        saved = None
+        for step in steps:
+            opt.zero_grad()
+            x, tokens, y = batch(step)
+            nn.functional.cross_entropy(model(x, tokens, step % 2 == 0), y).backward()
+            opt.step()
+            if step == 1:
+                import copy
+
+                saved = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                       "topk": compressor.state_dict()})
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, saved
+
+    straight, saved = run(range(5))
+    resumed, _ = run(range(2, 5), saved)
+    assert differs(straight, resumed) == []
+
+
+def test_what_update_mode_refuses_is_named():
+    model = Net()
+    with pytest.raises(ValueError, match="SGD"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), compression=TopKEF(target="update"))
+    with pytest.raises(ValueError, match="amsgrad"):
+        hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True),
+                                 named_parameters=model.named_parameters(), compression=TopKEF(target="update"))
+    # any optimizer steps locally with second_moment="local"
+    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             named_parameters=model.named_parameters(),
+                             compression=TopKEF(target="update", second_moment="local"))
