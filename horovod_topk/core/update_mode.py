@@ -30,6 +30,7 @@ __all__ = [
     "moments_layout",
     "shared_moment_hyperparameters",
     "TAPE_REFUSAL",
+    "TENSORFLOW_REFUSAL",
     "update_tensor_name",
 ]
 
@@ -45,6 +46,13 @@ TAPE_REFUSAL = (
     "horovod-topk: TopKEF(target='update') compresses the optimizer's update, and a gradient tape only returns "
     "gradients: it never sees the step. Use target='gradient' with the tape, or wrap the optimizer instead "
     "(hvd.DistributedOptimizer for Keras 2, horovod_topk.tensorflow.keras3.DistributedOptimizer for Keras 3)."
+)
+
+#: What TensorFlow's optimizers say to update mode: it steps the optimizer between two collectives, which is built for
+#: PyTorch's optimizer only so far; a refusal at construction instead of gradient mode under another name.
+TENSORFLOW_REFUSAL = (
+    "horovod-topk: TopKEF(target='update') is built for PyTorch's hvd.DistributedOptimizer; TensorFlow and Keras "
+    "optimizers do not have it yet. Use target='gradient' (the default) with TensorFlow."
 )
 
 

@@ -15,6 +15,7 @@ import functools
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..core import PendingReduction, group_member_name, pending_of, refuse_unsupported_op
+from ..core.update_mode import TAPE_REFUSAL, TENSORFLOW_REFUSAL
 from . import keras3
 from .compressor import TopKEF
 
@@ -25,6 +26,14 @@ _INSTALLED_FLAG = "_horovod_topk_routing"
 
 def _uses_topk(compression: Any) -> bool:
     return isinstance(compression, TopKEF) or (isinstance(compression, type) and issubclass(compression, TopKEF))
+
+
+def _refuse_update_mode(compression: Any, message: str) -> None:
+    """Raise ``message`` when ``compression`` is a TopKEF in update mode (core.update_mode)."""
+    if _uses_topk(compression):
+        compressor = compression if isinstance(compression, TopKEF) else compression.default()
+        if compressor.config.target == "update":
+            raise ValueError(message)
 
 
 def install() -> None:
@@ -53,6 +62,7 @@ def install() -> None:
         return None  # eager, unnamed: nothing stable to key a residual on, so it stays dense
 
     def start(tensor: Any, pending: PendingReduction, name: str, op: Any, pre: float, post: float, ps: Any) -> Any:
+        _refuse_update_mode(pending.compressor, TENSORFLOW_REFUSAL)
         op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         return pending.compressor.start_reduction(
             tensor, pending, name, op_name=op_name, prescale_factor=pre, postscale_factor=post, process_set=ps
@@ -94,15 +104,17 @@ def install() -> None:
                 outputs[position] = out
         return outputs
 
-    def refusing(constructor: Callable[..., Any], compression_index: int, op_index: int,
+    def refusing(constructor: Callable[..., Any], compression_index: int, op_index: int, update_refusal: str,
                  adapt: Callable[[Any], Any] = lambda made: made) -> Callable[..., Any]:
         def argument(args: Sequence[Any], kwargs: Any, key: str, index: int) -> Any:
             return kwargs.get(key, args[index] if len(args) > index else None)
 
         @functools.wraps(constructor)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            refuse_unsupported_op(_uses_topk(argument(args, kwargs, "compression", compression_index)),
-                                  argument(args, kwargs, "op", op_index), Average, Sum, Adasum)
+            compression = argument(args, kwargs, "compression", compression_index)
+            refuse_unsupported_op(_uses_topk(compression), argument(args, kwargs, "op", op_index), Average, Sum,
+                                  Adasum)
+            _refuse_update_mode(compression, update_refusal)
             return adapt(constructor(*args, **kwargs))
         return wrapper
 
@@ -112,6 +124,7 @@ def install() -> None:
     def create_distributed_optimizer(**kwargs: Any) -> Any:
         """What both DistributedOptimizers build a Keras optimizer with (Horovod 0.28.1 passes keywords only)."""
         refuse_unsupported_op(_uses_topk(kwargs.get("compression")), kwargs.get("op"), Average, Sum, Adasum)
+        _refuse_update_mode(kwargs.get("compression"), TENSORFLOW_REFUSAL)
         if not keras3.is_keras3_optimizer(kwargs.get("optimizer")):
             return keras_optimizer(**kwargs)
         return keras3.distributed_optimizer(
@@ -125,8 +138,9 @@ def install() -> None:
     hvd._allreduce = _allreduce
     hvd._grouped_allreduce = _grouped_allreduce
     # positional indices of `compression` and `op` in each constructor's signature (Horovod 0.28.1)
-    hvd.DistributedOptimizer = refusing(hvd.DistributedOptimizer, 5, 8)
+    hvd.DistributedOptimizer = refusing(hvd.DistributedOptimizer, 5, 8, TENSORFLOW_REFUSAL)
     if hasattr(hvd, "DistributedGradientTape"):
-        hvd.DistributedGradientTape = refusing(hvd.DistributedGradientTape, 3, 5, keras3.adapt_gradient_tape)
+        hvd.DistributedGradientTape = refusing(hvd.DistributedGradientTape, 3, 5, TAPE_REFUSAL,
+                                               keras3.adapt_gradient_tape)
     hvd_keras_impl.create_distributed_optimizer = create_distributed_optimizer
     setattr(hvd, _INSTALLED_FLAG, True)

@@ -131,13 +131,19 @@ class UpdateStep:
         entries = self._entries()
         counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries
                   if p.grad is not None and p.grad.is_floating_point()]
-        count = torch.stack(counts).sum().reshape(1).double().cpu() if counts else torch.zeros(1, dtype=torch.float64)
+        count = torch.stack(counts).sum().reshape(1).float().cpu() if counts else torch.zeros(1)
         total = float(self._allreduce_sum(count, FLAG_NAME)[0])
+        self._count_bytes(entries[:1], [count.numel() * count.element_size()])
         self._skip = total > 0
         if self._skip:
             for _, p in entries:
                 if p.grad is not None and p.grad.is_floating_point():
                     p.grad.fill_(float("nan"))
+
+    def _count_bytes(self, entries: List[Tuple[str, torch.nn.Parameter]], nbytes: List[int]) -> None:
+        """Put what update mode's own collectives carried into the parameters' traffic counters (stats())."""
+        for (name, p), n in zip(entries, nbytes):
+            self.compressor.registry.record(update_tensor_name(self.scope + name), tuple(p.shape)).bytes_sent += n
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -169,6 +175,7 @@ class UpdateStep:
             squares[layout.flag_index] += (~torch.isfinite(grad)).sum()
         world_size = self._process_set().size()
         shared = self._allreduce_sum(squares, MOMENTS_NAME)
+        self._count_bytes(entries, [4 * (count + (i == 0)) for i, (_, count) in enumerate(layout.spans)])
         if float(shared[layout.flag_index]) > 0:
             return None
         shared /= world_size
@@ -238,6 +245,9 @@ class UpdateStep:
                 handle = self._dense_allreduce_async_(
                     update, name=key, op=op, prescale_factor=prescale, postscale_factor=postscale,
                     process_set=process_set)
+            if p.element_size() < update.element_size():  # plain Horovod would send the gradient in p's dtype
+                record = self.compressor.registry.record(key, tuple(update.shape))
+                record.bytes_dense -= update.numel() * (update.element_size() - p.element_size())
             started.append((p, pending, handle))
         with torch.no_grad():
             for p, pending, handle in started:
