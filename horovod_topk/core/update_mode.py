@@ -29,6 +29,7 @@ __all__ = [
     "MomentsLayout",
     "moments_layout",
     "shared_moment_hyperparameters",
+    "resolve_second_moment",
     "TAPE_REFUSAL",
     "TENSORFLOW_REFUSAL",
     "update_tensor_name",
@@ -113,3 +114,19 @@ def shared_moment_hyperparameters(
     eps = float(group["eps"])  # type: ignore[arg-type]
     weight_decay = float(group.get("weight_decay", 0.0))  # type: ignore[arg-type]
     return float(lr), beta1, beta2, eps, weight_decay, ADAM_FAMILY[class_name]
+
+
+def resolve_second_moment(setting: str, class_name: str, groups: Sequence[Dict[str, object]]) -> str:
+    """"shared" or "local" for TopKConfig.second_moment ``setting`` and the user's optimizer: "auto" shares the
+    second moment where horovod-topk can compute the optimizer's step (Adam/AdamW without amsgrad, maximize or
+    differentiable) and lets every other optimizer step on its own; "shared" refuses what it cannot compute."""
+    if setting == "local":
+        return "local"
+    try:
+        for group in groups:
+            shared_moment_hyperparameters(class_name, group)
+    except ValueError:
+        if setting == "shared":
+            raise
+        return "local"
+    return "shared"

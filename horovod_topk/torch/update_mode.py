@@ -25,7 +25,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..core import PendingReduction
-from ..core.update_mode import MOMENTS_NAME, moments_layout, shared_moment_hyperparameters, update_tensor_name
+from ..core.update_mode import (
+    MOMENTS_NAME,
+    moments_layout,
+    resolve_second_moment,
+    shared_moment_hyperparameters,
+    update_tensor_name,
+)
 from . import update_rule
 
 __all__ = ["UpdateStep", "LocalHandle", "FLAG_NAME"]
@@ -74,9 +80,10 @@ class UpdateStep:
         self._skip = False
         #: Steps every rank skipped because some rank's gradient held NaN/Inf.
         self.skipped_steps = 0
-        if self.config.second_moment == "shared":
-            for group in optimizer.param_groups:  # refuse what the shared second moment cannot do, before training
-                shared_moment_hyperparameters(self.user_class.__name__, group)
+        #: "shared" or "local" (TopKConfig.second_moment resolved for this optimizer; refused here, before training,
+        #: when "shared" was asked of an optimizer it cannot compute)
+        self.second_moment = resolve_second_moment(self.config.second_moment, self.user_class.__name__,
+                                                   optimizer.param_groups)
 
     def install(self) -> None:
         """Replace the optimizer instance's ``synchronize`` and ``step`` (its class and Horovod stay as they are)."""
@@ -101,6 +108,7 @@ class UpdateStep:
 
         optimizer.synchronize = synchronize  # type: ignore[method-assign]
         optimizer.step = step  # type: ignore[method-assign]
+        optimizer.topk_update_step = self  # what the optimizer runs, for a user's (or a test's) inspection
 
     # ---- the collectives ------------------------------------------------------------------------------------
     def _entries(self) -> List[Tuple[str, torch.nn.Parameter]]:
@@ -152,7 +160,7 @@ class UpdateStep:
             self._skip = False
             self.skipped_steps += 1
             return None
-        if self.config.second_moment == "shared":
+        if self.second_moment == "shared":
             updates = self._shared_moment_updates(entries)
             if updates is None:  # the gradients changed after synchronize() and some rank's are non-finite now
                 self.skipped_steps += 1

@@ -3,7 +3,12 @@ reproduces, and the agreement fingerprint that covers the mode."""
 import pytest
 
 from horovod_topk.core import TopKConfig, fingerprint, mismatch_message
-from horovod_topk.core.update_mode import moments_layout, shared_moment_hyperparameters, update_tensor_name
+from horovod_topk.core.update_mode import (
+    moments_layout,
+    resolve_second_moment,
+    shared_moment_hyperparameters,
+    update_tensor_name,
+)
 
 
 @pytest.mark.parametrize("options, fragment", [
@@ -55,10 +60,20 @@ def test_the_agreement_covers_the_mode_and_the_second_moment():
     def row(config):
         return fingerprint(config, (64, 64), "float32", 0, 41, "allgather")
 
-    gradient, update = TopKConfig(), TopKConfig(target="update")
+    gradient, update = TopKConfig(), TopKConfig(target="update", second_moment="shared")
     message = mismatch_message("fc.weight", [row(gradient), row(update)])
     assert "target (rank 0: 'gradient', rank 1: 'update')" in message
     local = TopKConfig(target="update", second_moment="local")
     assert "second_moment (rank 0: 'shared', rank 1: 'local')" in mismatch_message("w", [row(update), row(local)])
     blocks = TopKConfig(target="update", second_moment_block=64)
     assert "second_moment_block (rank 0: 256, rank 1: 64)" in mismatch_message("w", [row(update), row(blocks)])
+
+
+def test_auto_shares_the_second_moment_where_it_can_compute_the_step():
+    adam = [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}]
+    assert resolve_second_moment("auto", "AdamW", adam) == "shared"
+    assert resolve_second_moment("auto", "Adam", [dict(adam[0], amsgrad=True)]) == "local"
+    assert resolve_second_moment("auto", "SGD", [{"lr": 0.1}]) == "local"
+    assert resolve_second_moment("local", "Adam", adam) == "local"
+    with pytest.raises(ValueError, match="Lion"):
+        resolve_second_moment("shared", "Lion", [{"lr": 0.1}])

@@ -255,15 +255,20 @@ def test_checkpoint_resumes_exactly():
     assert differs(straight, resumed) == []
 
 
-def test_what_update_mode_refuses_is_named():
+def test_the_second_moment_is_shared_for_adam_and_local_for_the_rest_unless_told():
     model = Net()
+
+    def mode(optimizer, **options):
+        opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                       compression=TopKEF(target="update", **options))
+        return opt.topk_update_step.second_moment
+
+    params = list(model.parameters())
+    assert mode(torch.optim.AdamW(params, lr=0.1)) == "shared"
+    assert mode(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == "local"
+    assert mode(torch.optim.Adam(params, lr=0.1, amsgrad=True)) == "local"
+    assert mode(torch.optim.AdamW(params, lr=0.1), second_moment="local") == "local"
     with pytest.raises(ValueError, match="SGD"):
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters(), compression=TopKEF(target="update"))
+        mode(torch.optim.SGD(params, lr=0.1), second_moment="shared")
     with pytest.raises(ValueError, match="amsgrad"):
-        hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True),
-                                 named_parameters=model.named_parameters(), compression=TopKEF(target="update"))
-    # any optimizer steps locally with second_moment="local"
-    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                             named_parameters=model.named_parameters(),
-                             compression=TopKEF(target="update", second_moment="local"))
+        mode(torch.optim.Adam(params, lr=0.1, amsgrad=True), second_moment="shared")
