@@ -193,33 +193,48 @@ class UpdateStep:
             lr, beta1, beta2, eps, weight_decay, decoupled = shared_moment_hyperparameters(
                 self.user_class.__name__, group_of[id(p)])
             state = self._shared_state(name, p, count)
+            first_moment = self._first_moment(name, p)
             state["step"] += 1
             update_rule.update_second_moment(state["shared_exp_avg_sq"], shared[offset:offset + count], beta2)
             updates.append(update_rule.adam_update(
-                p.detach(), self._gradient(p), state["exp_avg"], state["shared_exp_avg_sq"], int(state["step"].item()),
+                p.detach(), self._gradient(p), first_moment, state["shared_exp_avg_sq"], int(state["step"].item()),
                 lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
                 block=block,
             ))
         return updates
 
     def _shared_state(self, name: str, p: torch.nn.Parameter, blocks: int) -> Dict[str, torch.Tensor]:
-        """The optimizer's state of ``p`` (saved with optimizer.state_dict()): step, this rank's first moment, and the
-        shared block second moment -- created on first use."""
+        """What every rank holds alike, in the optimizer's state of ``p`` (so the usual rank-0 optimizer checkpoint
+        saves it): the step and the shared block second moment -- created on first use."""
         state = self.optimizer.state[p]
         if "shared_exp_avg_sq" not in state:
             if len(state) != 0:
                 raise ValueError(
-                    f"horovod-topk: the optimizer's state of {name!r} was made without TopKEF(target='update', "
-                    f"second_moment='shared') (keys {sorted(state)}); update mode's shared second moment starts "
+                    f"horovod-topk: the optimizer's state of {name!r} was made without TopKEF(target='update') "
+                    f"and a shared second moment (keys {sorted(state)}); update mode's shared second moment starts "
                     f"from a fresh optimizer state, or resumes from one it saved itself.")
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["shared_exp_avg_sq"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
         elif state["shared_exp_avg_sq"].numel() != blocks:
             raise ValueError(f"horovod-topk: the shared second moment of {name!r} has "
                              f"{state['shared_exp_avg_sq'].numel()} blocks, the parameter needs {blocks} "
                              f"(another second_moment_block or another model?)")
         return state
+
+    def _first_moment(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's own first moment (float32, shaped as ``p``), kept in the compressor's record of the update
+        next to its residual: both are this rank's alone, so the compressor's per-rank checkpoints (state_dict,
+        gather_state, elastic) carry them, and on another world size each new rank gets the mean of the saved ones
+        -- the averaged first moment, which is what the averaged update is made of."""
+        record = self.compressor.registry.record(update_tensor_name(self.scope + name), tuple(p.shape))
+        if record.momentum is None:
+            record.momentum = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        elif record.momentum.device != p.device or record.momentum.dtype != torch.float32:
+            record.momentum = record.momentum.to(device=p.device, dtype=torch.float32)
+        if record.momentum.numel() != p.numel():
+            raise ValueError(f"horovod-topk: the first moment of {name!r} has {record.momentum.numel()} elements, the "
+                             f"parameter {p.numel()} (a state_dict of another model?)")
+        return record.momentum.view(p.shape)
 
     def _local_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> List[torch.Tensor]:
         """The user's optimizer steps on this rank's gradient; each update is parameters before minus after (float32),

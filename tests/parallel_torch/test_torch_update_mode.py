@@ -99,10 +99,11 @@ def test_shared_second_moment_first_step_matches_an_independent_reference(block,
                                    msg=lambda m: f"{name}: {m}")
 
 
-def _adam_local_update(state: dict, before: torch.Tensor, lr: float, betas, eps: float, block: int) -> torch.Tensor:
-    """This rank's update recomputed from the optimizer state the step left behind (an independent formula)."""
+def _adam_local_update(state: dict, first_moment: torch.Tensor, before: torch.Tensor, lr: float, betas, eps: float,
+                       block: int) -> torch.Tensor:
+    """This rank's update recomputed from the state the step left behind (an independent formula)."""
     step = int(state["step"])
-    m_hat = state["exp_avg"].double() / (1 - betas[0] ** step)
+    m_hat = first_moment.double().view_as(before) / (1 - betas[0] ** step)
     v = state["shared_exp_avg_sq"].double().repeat_interleave(block)[: before.numel()].view_as(before)
     return lr * m_hat / ((v / (1 - betas[1] ** step)).sqrt() + eps)
 
@@ -126,7 +127,8 @@ def test_error_feedback_invariant_and_identical_parameters_with_adam(exchange):
         old = {n: _residual(compressor, n, p.numel()) for n, p in before.items()}
         opt.step()
         for name, p in model.named_parameters():
-            update = _adam_local_update(opt.state[p], before[name], lr, betas, eps, block)
+            first_moment = compressor.registry.records[update_tensor_name(name)].momentum
+            update = _adam_local_update(opt.state[p], first_moment, before[name], lr, betas, eps, block)
             applied = (before[name] - p.detach()).double()
             left = hvd.allreduce(_residual(compressor, name, p.numel()), op=hvd.Sum, name=f"test.inv.l.{step}.{name}")
             right = hvd.allreduce(old[name] + update.reshape(-1), op=hvd.Sum, name=f"test.inv.r.{step}.{name}")
@@ -182,6 +184,10 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(second_m
             model.fc1.weight.grad[0, 0] = float("inf")
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         state_before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+        for n in state_before:  # this rank's first moment (shared second moment) lives in the compressor
+            record = compressor.registry.records.get(update_tensor_name(n))
+            if record is not None and record.momentum is not None:
+                state_before[n]["first_moment"] = record.momentum.clone()
         opt.step()
         snapshots.append((before, state_before))
     after_skip = snapshots[2][0]
