@@ -112,11 +112,14 @@ def resume_run(path: str, start: int, stop: int, save: bool, load: bool, options
 
     hvd.init()
     model = _resume_model()
+    options = dict(options)
+    adamw = options.pop("optimizer", "sgd") == "adamw"
     compressor = TopKEF(**options)
     # Horovod's DistributedOptimizer is a new optimizer object over the same parameters: its state (the momentum
     # buffers) is what is saved and loaded, not the state of the optimizer it was made from.
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(), compression=compressor)
+    base = (torch.optim.AdamW(model.parameters(), lr=0.01) if adamw
+            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compressor)
     restored = {}
     if load:
         ckpt = torch.load(path) if hvd.rank() == 0 else None
@@ -128,6 +131,8 @@ def resume_run(path: str, start: int, stop: int, save: bool, load: bool, options
         opt.load_state_dict(opt_state)
         restore_state(compressor, None if ckpt is None else ckpt["topk"])
         restored = {name: rec.residual.tolist() for name, rec in compressor.registry if rec.residual is not None}
+        restored.update({"first_moment." + name: rec.momentum.tolist() for name, rec in compressor.registry
+                         if rec.momentum is not None})
     for step in range(start, stop):
         x, y = _resume_batch(step)
         opt.zero_grad()
