@@ -22,7 +22,7 @@ import torch
 from ..core import group_member_name, pending_of, refuse_unsupported_op
 from .compressor import TopKEF, TopKHandle
 from .sparse_allreduce import SparseAllreduceHandle
-from .update_mode import LocalHandle, UpdateStep
+from .update_mode import LocalHandle, UpdateStep, adapt_broadcast_optimizer_state
 
 __all__ = ["install", "GroupHandle", "CheckedHandle", "ScopedCompression"]
 
@@ -231,6 +231,7 @@ def install() -> None:
             UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize).install()
         return distributed
 
+    adapt_broadcast_optimizer_state()
     hvd_optimizer.allreduce_async_ = allreduce_async_
     hvd_optimizer.grouped_allreduce_async_ = grouped_allreduce_async_
     hvd_optimizer.synchronize = synchronize

@@ -19,6 +19,7 @@ After the step ``p.grad`` still holds this rank's own gradient: no averaged grad
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -34,7 +35,7 @@ from ..core.update_mode import (
 )
 from . import update_rule
 
-__all__ = ["UpdateStep", "LocalHandle", "FLAG_NAME"]
+__all__ = ["UpdateStep", "LocalHandle", "FLAG_NAME", "adapt_broadcast_optimizer_state"]
 
 #: The name of synchronize()'s non-finite agreement (a one-element allreduce).
 FLAG_NAME = "topk.update.nonfinite"
@@ -109,6 +110,17 @@ class UpdateStep:
         optimizer.synchronize = synchronize  # type: ignore[method-assign]
         optimizer.step = step  # type: ignore[method-assign]
         optimizer.topk_update_step = self  # what the optimizer runs, for a user's (or a test's) inspection
+
+    def initialize_state(self) -> None:
+        """Give every trainable parameter its shared state (step 0, a zero second moment) where it has none, so that
+        Horovod's broadcast_optimizer_state finds update mode's keys on every rank instead of initialising Adam's
+        own with a step on zero gradients (a joining elastic worker would then hold other keys than the others,
+        and the broadcast of mismatched keys would wait forever)."""
+        if self.second_moment != "shared":
+            return
+        for name, p in self._entries():
+            if len(self.optimizer.state[p]) == 0:
+                self._shared_state(name, p, update_rule.block_count(p.numel(), self.config.second_moment_block))
 
     # ---- the collectives ------------------------------------------------------------------------------------
     def _entries(self) -> List[Tuple[str, torch.nn.Parameter]]:
@@ -208,18 +220,33 @@ class UpdateStep:
         saves it): the step and the shared block second moment -- created on first use."""
         state = self.optimizer.state[p]
         if "shared_exp_avg_sq" not in state:
-            if len(state) != 0:
+            if set(state) == {"step", "exp_avg", "exp_avg_sq"}:
+                self._adopt_adam_state(name, p, state)
+            elif len(state) != 0:
                 raise ValueError(
-                    f"horovod-topk: the optimizer's state of {name!r} was made without TopKEF(target='update') "
-                    f"and a shared second moment (keys {sorted(state)}); update mode's shared second moment starts "
-                    f"from a fresh optimizer state, or resumes from one it saved itself.")
-            state["step"] = torch.tensor(0.0)
-            state["shared_exp_avg_sq"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    f"horovod-topk: the optimizer's state of {name!r} holds {sorted(state)}, neither Adam's nor "
+                    f"update mode's; update mode's shared second moment starts from a fresh optimizer state, an "
+                    f"Adam/AdamW state, or one it saved itself.")
+            else:
+                state["step"] = torch.tensor(0.0)
+                state["shared_exp_avg_sq"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
         elif state["shared_exp_avg_sq"].numel() != blocks:
             raise ValueError(f"horovod-topk: the shared second moment of {name!r} has "
                              f"{state['shared_exp_avg_sq'].numel()} blocks, the parameter needs {blocks} "
                              f"(another second_moment_block or another model?)")
         return state
+
+    def _adopt_adam_state(self, name: str, p: torch.nn.Parameter, state: Dict[str, torch.Tensor]) -> None:
+        """Continue from Adam's own state of ``p`` (a gradient-mode checkpoint, or the state Horovod's
+        broadcast_optimizer_state initialises with one step on zero gradients): its second moment averaged over each
+        block becomes the shared one, its first moment this rank's, its step the step. Adam's state is the same on
+        every rank wherever Horovod made or broadcast it, so the shared second moment is too."""
+        first_moment = self._first_moment(name, p)
+        if not bool(first_moment.any()):  # a record of its own (a checkpoint of update mode) takes precedence
+            first_moment.copy_(state["exp_avg"].float())
+        state["shared_exp_avg_sq"] = update_rule.block_means(state["exp_avg_sq"], self.config.second_moment_block)
+        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).clone()
+        del state["exp_avg"], state["exp_avg_sq"]
 
     def _first_moment(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         """This rank's own first moment (float32, shaped as ``p``), kept in the compressor's record of the update
@@ -278,3 +305,28 @@ class UpdateStep:
                     pending.check()
                 applied = handle() if callable(handle) else self._wait(handle)
                 p.sub_(applied.view_as(p).to(p.dtype))
+
+
+def adapt_broadcast_optimizer_state() -> None:
+    """Make Horovod's ``broadcast_optimizer_state`` (called by users at start-up and by elastic's sync) create update
+    mode's state first (UpdateStep.initialize_state) on an optimizer in update mode. Replaced in memory in every
+    module that imported it; idempotent."""
+    import horovod.torch as hvd
+    import horovod.torch.functions as functions
+    from horovod.torch.elastic import state as elastic_state
+
+    original = functions.broadcast_optimizer_state
+    if getattr(original, "_horovod_topk", False):
+        return
+
+    @functools.wraps(original)
+    def broadcast_optimizer_state(optimizer: Any, root_rank: int, *args: Any, **kwargs: Any) -> Any:
+        update_step = getattr(optimizer, "topk_update_step", None)
+        if update_step is not None:
+            update_step.initialize_state()
+        return original(optimizer, root_rank, *args, **kwargs)
+
+    setattr(broadcast_optimizer_state, "_horovod_topk", True)
+    for module in (functions, hvd, elastic_state):
+        if getattr(module, "broadcast_optimizer_state", None) is original:
+            setattr(module, "broadcast_optimizer_state", broadcast_optimizer_state)

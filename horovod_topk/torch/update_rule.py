@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["block_mean_squares", "expand_blocks", "block_count", "adam_update", "update_second_moment"]
+__all__ = ["block_means", "block_mean_squares", "expand_blocks", "block_count", "adam_update", "update_second_moment"]
 
 
 def block_count(numel: int, block: int) -> int:
@@ -29,19 +29,24 @@ def block_count(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def block_mean_squares(grad: torch.Tensor, block: int) -> torch.Tensor:
-    """The mean of ``grad**2`` over each block of ``block`` consecutive entries (float32; the last block is the mean
-    of the entries it has). A NaN/Inf entry makes its block's value non-finite: the caller decides what that means.
-    """
-    flat = grad.reshape(-1).float()
+def block_means(values: torch.Tensor, block: int) -> torch.Tensor:
+    """The mean of ``values`` over each block of ``block`` consecutive entries (float32; the last block is the mean
+    of the entries it has)."""
+    flat = values.reshape(-1).float()
     n = flat.numel()
     count = block_count(n, block)
     padded = flat.new_zeros(count * block)
     padded[:n] = flat
-    sums = padded.view(count, block).square().sum(dim=1)
+    sums = padded.view(count, block).sum(dim=1)
     sizes = torch.full((count,), float(block), dtype=sums.dtype, device=sums.device)
     sizes[-1] = float(n - (count - 1) * block)
     return sums / sizes
+
+
+def block_mean_squares(grad: torch.Tensor, block: int) -> torch.Tensor:
+    """The mean of ``grad**2`` over each block of ``block`` consecutive entries: what a rank contributes to the
+    shared second moment. A NaN/Inf entry makes its block's value non-finite: the caller decides what that means."""
+    return block_means(grad.float().square(), block)
 
 
 def expand_blocks(values: torch.Tensor, numel: int, block: int) -> torch.Tensor:

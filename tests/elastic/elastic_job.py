@@ -4,7 +4,7 @@ It starts on one host; at step JOIN_STEP it adds a second host to the discovery 
 KILL_STEP the worker on the added host dies abruptly (os._exit) once, between two commits (every COMMIT_EVERY
 steps), so the job rolls back and goes on with one worker. Every rank appends one JSON line per step to the log
 (and at each start and reset): world size, step counters, residual norms, parameter checksum. The exchange of
-compressed tensors comes from ELASTIC_JOB_EXCHANGE (default "auto").
+compressed tensors comes from ELASTIC_JOB_EXCHANGE (default "auto"; "update": update mode with AdamW).
 """
 import json
 import os
@@ -23,9 +23,15 @@ hosts_file, log_file, added_host = sys.argv[1:4]
 hvd.init()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
-compressor = TopKEF(ratio=0.02, exchange=os.environ.get("ELASTIC_JOB_EXCHANGE", "auto"))
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                               named_parameters=model.named_parameters(), compression=compressor)
+# "update": update mode with AdamW (shared second moment in the optimizer's state, first moments with the residuals)
+MODE = os.environ.get("ELASTIC_JOB_EXCHANGE", "auto")
+if MODE == "update":
+    compressor = TopKEF(ratio=0.02, target="update")
+    base = torch.optim.AdamW(model.parameters(), lr=0.01)
+else:
+    compressor = TopKEF(ratio=0.02, exchange=MODE)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compressor)
 state = hvd.elastic.TorchState(model=model, optimizer=opt, compression=compressor, step=0)
 
 

@@ -7,14 +7,22 @@ import pytest
 from .launch import run_elastic_job
 
 
-@pytest.fixture(scope="module", params=["auto", "sparse_allreduce"])
+@pytest.fixture(scope="module", params=["auto", "sparse_allreduce", "update"])
 def events(request, tmp_path_factory):
-    """The same job with each exchange: "auto" (the allgather at these sizes) and the sparse allreduce forced."""
+    """The same job with each exchange: "auto" (the allgather at these sizes) and the sparse allreduce forced; and
+    in update mode (AdamW, the allgather)."""
     events = run_elastic_job("elastic_job.py", tmp_path_factory.mktemp("elastic"), timeout=300,
                              env={"ELASTIC_JOB_EXCHANGE": request.param})
     on_two = [e["exchanges"] for e in events if e["event"] == "step" and e["size"] == 2]
-    assert on_two and all(set(x) == {"allgather" if request.param == "auto" else request.param} for x in on_two)
+    expected = request.param if request.param == "sparse_allreduce" else "allgather"
+    assert on_two and all(set(x) == {expected} for x in on_two)
     return events
+
+
+def first_layer(events) -> str:
+    """The first layer's record name: its parameter name, or its update's in update mode."""
+    names = next(e["world"] for e in events if e["event"] == "step")
+    return "update.0.weight" if "update.0.weight" in names else "0.weight"
 
 
 def test_the_job_survives_a_join_and_a_killed_worker(events):
@@ -39,9 +47,9 @@ def test_the_new_worker_adopts_the_step_counters_and_residuals_follow_the_world_
     first = joined[0]
     # its counters continue the survivors' (no cross-rank mismatch on its first step)
     assert all(steps == first["step"] for steps in first["steps"].values())
-    assert first["world"]["0.weight"] == 2
+    assert first["world"][first_layer(events)] == 2
     survivor = [e for e in events if e["rank"] == 0 and e["event"] == "step"]
-    worlds = [e["world"]["0.weight"] for e in survivor]
+    worlds = [e["world"][first_layer(events)] for e in survivor]
     assert worlds[0] == 1 and 2 in worlds and worlds[-1] == 1
 
 

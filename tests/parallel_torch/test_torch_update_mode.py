@@ -278,3 +278,23 @@ def test_the_second_moment_is_shared_for_adam_and_local_for_the_rest_unless_told
         mode(torch.optim.SGD(params, lr=0.1), second_moment="shared")
     with pytest.raises(ValueError, match="amsgrad"):
         mode(torch.optim.Adam(params, lr=0.1, amsgrad=True), second_moment="shared")
+
+
+def test_broadcast_optimizer_state_at_start_up_creates_update_modes_state():
+    """The usual Horovod start-up broadcast: update mode's keys on every rank (not Adam's, from a step on zero
+    gradients), then training keeps every rank's parameters identical."""
+    torch.manual_seed(hvd.rank())  # different initial weights: the broadcasts must make them equal
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=TopKEF(target="update"))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert {tuple(sorted(s)) for s in opt.state.values()} == {("shared_exp_avg_sq", "step")}
+    assert all(float(s["step"]) == 0 for s in opt.state.values())
+    for step in range(3):
+        opt.zero_grad()
+        x, tokens, y = batch(step)
+        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+        opt.step()
+    assert all(float(s["step"]) == 3 for s in opt.state.values())
+    assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
