@@ -23,6 +23,8 @@ ADAMW = lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)  # n
 
 PARITY_OPTIONS = {
     "named": {},
+    "sgd_momentum_nesterov_decay": {"optimizer_factory": lambda params: torch.optim.SGD(
+        params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)},
     "unnamed": {"named": False},
     "groups_int": {"groups": 2},
     "groups_list": {"groups": "list"},
@@ -49,13 +51,14 @@ def identical_across_ranks(params: Dict[str, torch.Tensor]) -> List[str]:
 
 
 @pytest.mark.parametrize("option", list(PARITY_OPTIONS))
-def test_sgd_without_momentum_at_ratio_one_matches_plain_horovod(option):
-    """For SGD without momentum the average of the local updates is the update of the averaged gradient."""
-    kwargs = PARITY_OPTIONS[option]
-    plain = train(hvd.Compression.none, optimizer_factory=SGD, **kwargs)
-    compressor = TopKEF(**EVERYTHING, second_moment="local")
-    ours = train(compressor, optimizer_factory=SGD, **kwargs)
-    initial = train(hvd.Compression.none, steps=0, optimizer_factory=SGD, **kwargs)
+def test_sgd_at_ratio_one_matches_plain_horovod(option):
+    """SGD's update (momentum, Nesterov and weight decay included) is linear in the gradient: the average of the
+    local updates is the update of the averaged gradient."""
+    kwargs = {"optimizer_factory": SGD, **PARITY_OPTIONS[option]}
+    plain = train(hvd.Compression.none, **kwargs)
+    compressor = TopKEF(**EVERYTHING)  # second_moment="auto": SGD steps on each rank's own gradient
+    ours = train(compressor, **kwargs)
+    initial = train(hvd.Compression.none, steps=0, **kwargs)
     assert_same_params(ours, plain)
     assert "fc1.weight" in differs(plain, initial)
     assert identical_across_ranks(ours) == []
