@@ -13,10 +13,11 @@ update on the averaged first moment. It is built from every rank's squared gradi
 entries, so the collective that shares it carries ``numel / block`` floats: for the default block of 256, 0.4% of a
 dense float32 allreduce.
 
-One collective per step, before the local step, carries the blocks of every tensor *and* the number of non-finite
-gradient entries on each rank: a rank whose gradient holds NaN/Inf would poison its own optimizer state (and then
-every rank's parameters through the exchange), so when any rank has one, every rank skips the step the same way
-AMP's GradScaler skips one, and nothing -- parameters, optimizer state, residuals -- changes anywhere.
+A rank whose gradient holds NaN/Inf would poison its own optimizer state (and then every rank's parameters through
+the exchange): when any rank has one, every rank skips the step the same way AMP's GradScaler skips one, and
+nothing -- parameters, optimizer state, residuals -- changes anywhere. The ranks learn it from one small allreduce
+before the step (the framework's synchronize), and again from the shared second moment's own allreduce, whose
+blocks turn non-finite with any non-finite entry.
 """
 from __future__ import annotations
 
@@ -65,26 +66,22 @@ def update_tensor_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class MomentsLayout:
-    """Where each tensor's block values sit in the flat moments buffer; the last entry (``flag_index``) counts
-    the non-finite gradient entries over all ranks."""
+    """Where each tensor's block values sit in the flat buffer of the shared second moment's allreduce."""
 
     #: (offset, count) per tensor, in the order given
     spans: Tuple[Tuple[int, int], ...]
-    #: the index of the non-finite count
-    flag_index: int
-
-    @property
-    def numel(self) -> int:
-        return self.flag_index + 1
+    #: the buffer's length
+    numel: int
 
 
-def moments_layout(numels: Sequence[int], block: int, shared: bool) -> MomentsLayout:
-    """The flat buffer of one step's moments collective. ``shared`` False (each rank's own optimizer): only the
-    non-finite count travels."""
+def moments_layout(numels: Sequence[int], block: int) -> MomentsLayout:
+    """The flat buffer of one step's shared second moment: ceil(numel / block) values per tensor, in order. A
+    non-finite gradient entry makes its block's value non-finite, so the summed buffer also says whether any rank's
+    gradient was."""
     spans: List[Tuple[int, int]] = []
     offset = 0
     for numel in numels:
-        count = -(-int(numel) // block) if shared else 0
+        count = -(-int(numel) // block)
         spans.append((offset, count))
         offset += count
     return MomentsLayout(tuple(spans), offset)

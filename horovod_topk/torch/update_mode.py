@@ -186,17 +186,15 @@ class UpdateStep:
         """Each parameter's Adam/AdamW update under the shared block second moment, from this rank's gradient and
         first moment; None when some rank's gradient is non-finite (every rank returns None alike)."""
         block = self.config.second_moment_block
-        layout = moments_layout([p.numel() for _, p in entries], block, shared=True)
+        layout = moments_layout([p.numel() for _, p in entries], block)
         device = entries[0][1].device if entries else torch.device("cpu")
         squares = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         for (offset, count), (_, p) in zip(layout.spans, entries):
-            grad = self._gradient(p)
-            squares[offset:offset + count] = update_rule.block_mean_squares(grad, block)
-            squares[layout.flag_index] += (~torch.isfinite(grad)).sum()
+            squares[offset:offset + count] = update_rule.block_mean_squares(self._gradient(p), block)
         world_size = self._process_set().size()
         shared = self._allreduce_sum(squares, MOMENTS_NAME)
-        self._count_bytes(entries, [4 * (count + (i == 0)) for i, (_, count) in enumerate(layout.spans)])
-        if float(shared[layout.flag_index]) > 0:
+        self._count_bytes(entries, [4 * count for _, count in layout.spans])
+        if not bool(torch.isfinite(shared).all()):  # a NaN/Inf gradient entry anywhere makes its block non-finite
             return None
         shared /= world_size
         group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}

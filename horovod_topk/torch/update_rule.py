@@ -17,11 +17,12 @@ Pure functions of tensors: no collectives and no state here (torch.update_mode h
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["block_means", "block_mean_squares", "expand_blocks", "block_count", "adam_update", "update_second_moment"]
+__all__ = ["block_means", "block_mean_squares", "expand_blocks", "scale_by_blocks", "block_count", "adam_update",
+           "update_second_moment"]
 
 
 def block_count(numel: int, block: int) -> int:
@@ -29,29 +30,52 @@ def block_count(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
+def _split(flat: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The whole blocks of ``flat`` as a (blocks, block) view, and the short tail (possibly empty): no copies."""
+    whole = flat.numel() // block * block
+    return flat[:whole].view(-1, block), flat[whole:]
+
+
+def _per_block(flat: torch.Tensor, block: int, reduce: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """``reduce`` (a per-row reduction) over each block of ``flat``, the tail as one more block."""
+    rows, tail = _split(flat, block)
+    parts = [reduce(rows, 1)] if rows.numel() else []
+    if tail.numel():
+        parts.append(reduce(tail.view(1, -1), 1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def block_means(values: torch.Tensor, block: int) -> torch.Tensor:
     """The mean of ``values`` over each block of ``block`` consecutive entries (float32; the last block is the mean
     of the entries it has)."""
-    flat = values.reshape(-1).float()
-    n = flat.numel()
-    count = block_count(n, block)
-    padded = flat.new_zeros(count * block)
-    padded[:n] = flat
-    sums = padded.view(count, block).sum(dim=1)
-    sizes = torch.full((count,), float(block), dtype=sums.dtype, device=sums.device)
-    sizes[-1] = float(n - (count - 1) * block)
-    return sums / sizes
+    return _per_block(values.reshape(-1).float(), block, lambda rows, dim: rows.mean(dim))
 
 
 def block_mean_squares(grad: torch.Tensor, block: int) -> torch.Tensor:
     """The mean of ``grad**2`` over each block of ``block`` consecutive entries: what a rank contributes to the
-    shared second moment. A NaN/Inf entry makes its block's value non-finite: the caller decides what that means."""
-    return block_means(grad.float().square(), block)
+    shared second moment. One pass, no temporary of the gradient's size. A NaN/Inf entry makes its block's value
+    non-finite: the caller decides what that means."""
+    def mean_square(rows: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.linalg.vector_norm(rows, dim=dim).square_().div_(rows.shape[dim])
+
+    return _per_block(grad.reshape(-1).float(), block, mean_square)
 
 
 def expand_blocks(values: torch.Tensor, numel: int, block: int) -> torch.Tensor:
-    """One value per block back to one per entry (a view where possible)."""
+    """One value per block back to one per entry."""
     return values.repeat_interleave(block)[:numel]
+
+
+def scale_by_blocks(values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """A new float32 tensor shaped as ``values``: each block of ``block`` entries times its scale (one pass)."""
+    out = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+    rows, tail = _split(values.reshape(-1), block)
+    out_rows, out_tail = _split(out.view(-1), block)
+    if rows.numel():
+        torch.mul(rows, scales[: rows.shape[0], None], out=out_rows)
+    if tail.numel():
+        torch.mul(tail, scales[-1], out=out_tail)
+    return out
 
 
 def adam_update(
@@ -70,28 +94,29 @@ def adam_update(
     block: Optional[int] = None,
 ) -> torch.Tensor:
     """The local update ``param_before - param_after`` of one Adam (``decoupled=False``) or AdamW step, as
-    ``torch.optim.Adam``/``AdamW`` compute it, with the first moment ``exp_avg`` (this rank's, updated in place)
-    and a second moment ``exp_avg_sq`` that the caller has already updated with the shared signal (one value per
-    entry, or per block of ``block`` entries). ``step`` counts from 1. ``param`` is not changed.
+    ``torch.optim.Adam``/``AdamW`` compute it, with the first moment ``exp_avg`` (this rank's, float32, updated in
+    place) and a second moment ``exp_avg_sq`` that the caller has already updated with the shared signal (one value
+    per entry, or per block of ``block`` entries). ``step`` counts from 1. ``param`` is not changed.
 
-    Returns the update in float32 (the residual's precision), shaped as ``param``.
+    Returns the update in float32 (the residual's precision), shaped as ``param``. With blocks, the per-entry work
+    is three passes (first moment, scaled copy, decay): the divisor is computed per block.
     """
-    g = grad.float()
-    p = param.float()
+    g = grad if grad.dtype == torch.float32 else grad.float()
     if weight_decay and not decoupled:  # Adam's L2 penalty joins the gradient, hence the first moment
-        g = g.add(p, alpha=weight_decay)
-    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
-    v = exp_avg_sq if block is None else expand_blocks(exp_avg_sq, param.numel(), block).view(param.shape)
-    denom = (v / bias2).sqrt_().add_(eps)
-    update = exp_avg / denom * (lr / bias1)
+    if block is None:
+        update = exp_avg / (exp_avg_sq / bias2).sqrt_().add_(eps) * (lr / bias1)
+    else:
+        scales = (exp_avg_sq / bias2).sqrt_().add_(eps).reciprocal_().mul_(lr / bias1)
+        update = scale_by_blocks(exp_avg, scales, block)
     if weight_decay and decoupled:  # AdamW's decay acts on the parameter, the same on every rank
-        update.add_(p, alpha=lr * weight_decay)
+        update.add_(param, alpha=lr * weight_decay)
     return update
 
 
 def update_second_moment(exp_avg_sq: torch.Tensor, signal: torch.Tensor, beta2: float) -> None:
     """``exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * signal`` in place (signal: the ranks' shared squares)."""
     exp_avg_sq.mul_(beta2).add_(signal, alpha=1.0 - beta2)
-

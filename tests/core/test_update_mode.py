@@ -33,12 +33,10 @@ def test_update_mode_options_round_trip_and_show_in_the_description():
     assert "target" not in TopKConfig().describe()
 
 
-def test_moments_layout_gives_each_tensor_its_blocks_and_ends_with_the_non_finite_count():
-    layout = moments_layout([1000, 10, 256, 257], block=256, shared=True)
+def test_moments_layout_gives_each_tensor_its_blocks():
+    layout = moments_layout([1000, 10, 256, 257], block=256)
     assert layout.spans == ((0, 4), (4, 1), (5, 1), (6, 2))
-    assert layout.flag_index == 8 and layout.numel == 9
-    local = moments_layout([1000, 10], block=256, shared=False)
-    assert local.spans == ((0, 0), (0, 0)) and local.numel == 1
+    assert layout.numel == 8
 
 
 def test_shared_second_moment_reads_adam_and_adamw_and_refuses_the_rest_by_name():
