@@ -148,17 +148,18 @@ class UpdateStep:
 
     def _agree_finite(self) -> None:
         """Every rank learns whether any rank's gradient holds NaN/Inf; if so every rank's gradients become NaN."""
-        entries = self._entries()
-        counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries
-                  if p.grad is not None and p.grad.is_floating_point()]
+        entries = [(name, p) for name, p in self._entries() if p.grad is not None and p.grad.is_floating_point()]
+        counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries]
         count = torch.stack(counts).sum().reshape(1).float().cpu() if counts else torch.zeros(1)
         total = float(self._allreduce_sum(count, FLAG_NAME)[0])
-        self._count_bytes(entries[:1], [count.numel() * count.element_size()])
+        self._count_bytes(self._entries()[:1], [count.numel() * count.element_size()])
         self._skip = total > 0
         if self._skip:
-            for _, p in entries:
-                if p.grad is not None and p.grad.is_floating_point():
-                    p.grad.fill_(float("nan"))
+            for (name, p), own in zip(entries, counts):
+                if int(own) > 0:  # stats()["nonfinite_steps"]: this rank's tensors that were non-finite
+                    self.compressor.registry.record(update_tensor_name(self.scope + name),
+                                                    tuple(p.shape)).nonfinite_steps += 1
+                p.grad.fill_(float("nan"))
 
     def _count_bytes(self, entries: List[Tuple[str, torch.nn.Parameter]], nbytes: List[int]) -> None:
         """Put what update mode's own collectives carried into the parameters' traffic counters (stats())."""

@@ -201,6 +201,8 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(second_m
     assert differs({n: p.detach() for n, p in model.named_parameters()}, after_skip)  # step 2 trained again
     assert all(bool(torch.isfinite(r.residual).all()) for _, r in compressor.registry if r.residual is not None)
     assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
+    assert compressor.stats()["nonfinite_steps"] == (1 if hvd.rank() == 1 else 0)
+    assert opt.topk_update_step.skipped_steps == 1
 
 
 def test_amp_grad_scaler_skips_the_same_step_on_every_rank():
