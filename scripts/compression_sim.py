@@ -188,15 +188,18 @@ class LocalAdam:
     would cost a dense allreduce); 'ranksq' -- one shared, from the workers' mean of their own squared gradients, per
     entry (a dense allreduce too: a diagnosis of 'mean of squares' against 'square of mean'); 'block:B' -- one
     shared value per block of B entries, from the workers' mean of their own squared gradients (an allreduce of
-    numel / B floats: horovod_topk.torch.update_rule)."""
+    numel / B floats: horovod_topk.torch.update_rule); two diagnoses of it: 'oblock:B' -- per block, from the square
+    of the averaged gradient (is it the blocks or the mean of squares that costs?), 'rblock:B' -- 'block:B' times
+    each tensor's ||mean_w g_w||^2 / mean_w ||g_w||^2 (would removing the workers' noise from it, per tensor, help?)."""
 
     def __init__(self, variant: str, opt: torch.optim.Optimizer, params: List[torch.Tensor], workers: int) -> None:
         from horovod_topk.torch import update_rule
 
         self.rule = update_rule
         kind, _, block = variant.partition(":")
-        if kind not in ("own", "oracle", "ranksq", "block") or (kind == "block") != bool(block):
-            raise ValueError(f"+update:{variant}: one of own, oracle, ranksq, block:B")
+        blocked = kind in ("block", "oblock", "rblock")
+        if kind not in ("own", "oracle", "ranksq", "block", "oblock", "rblock") or blocked != bool(block):
+            raise ValueError(f"+update:{variant}: one of own, oracle, ranksq, block:B, oblock:B, rblock:B")
         self.kind = kind
         self.block = int(block) if block else None
         self.decoupled = isinstance(opt, torch.optim.AdamW)
@@ -227,8 +230,13 @@ class LocalAdam:
                     signal = (sum(local) / self.workers).square()
                 elif self.kind == "ranksq":
                     signal = sum(g.square() for g in local) / self.workers
+                elif self.kind == "oblock":
+                    signal = self.rule.block_mean_squares(sum(local) / self.workers, self.block)
                 else:
                     signal = sum(self.rule.block_mean_squares(g, self.block) for g in local) / self.workers
+                    if self.kind == "rblock":
+                        mean_sq = sum(g.square().sum() for g in local) / self.workers
+                        signal = signal * ((sum(local) / self.workers).square().sum() / mean_sq.clamp_min(1e-30))
                 self.rule.update_second_moment(self.v[0][i], signal, beta2)
                 nbytes += 4.0 * signal.numel() * self.workers
             for w in range(self.workers):
