@@ -4,7 +4,7 @@ compression and TopKEF, from numbers known before launching a job.
     python -m horovod_topk.advise --model resnet50 --workers 16 --bandwidth 10gbit --compute 120ms
     python -m horovod_topk.advise --params 25.6e6 --workers 8 --bandwidth 1gbit --compute 50ms --ratio 0.001
     python -m horovod_topk.advise --tensors 512x1024 1024 1024x1024 --workers 4 --bandwidth 100mbit --compute 20ms
-    python -m horovod_topk.advise --check results/e2e.json      # measured (scripts/bench_e2e.py --json) vs predicted
+    python -m horovod_topk.advise --check results/e2e.json      # measured (benchmarks/bench_e2e.py --json) vs predicted
 
 The model (horovod_topk.core.costmodel, which states it in full): bytes per worker from the compressor's own
 per-tensor decisions (core.policy.plan_tensor, core.exchange), T_comm = bytes / (0.75 * bandwidth) + collectives *
@@ -94,7 +94,7 @@ def bert_large() -> Tensors:
 
 
 def mlp_e2e() -> Tensors:
-    """The MLP of scripts/bench_e2e.py and the README's end-to-end table: 8 tensors, 2,104,842 parameters."""
+    """The MLP of benchmarks/bench_e2e.py and the README's end-to-end table: 8 tensors, 2,104,842 parameters."""
     t: Tensors = []
     for i, (n_in, n_out) in enumerate(((512, 1024), (1024, 1024), (1024, 512), (512, 10))):
         t += [(f"{2 * i}.weight", n_in * n_out), (f"{2 * i}.bias", n_out)]
@@ -338,7 +338,7 @@ def row_method(row: dict, base: TopKConfig) -> Tuple[str, TopKConfig]:
 
 def check(data: dict, link_defaults: Link, base: TopKConfig, *, overlap: float, t_compress_s: float,
           sparse_available: bool) -> List[str]:
-    """Measured vs predicted for each row of a scripts/bench_e2e.py --json file, predicting from the row's own
+    """Measured vs predicted for each row of a benchmarks/bench_e2e.py --json file, predicting from the row's own
     workers, link rate and T_compute. Raises ValueError naming what is wrong with the file."""
     if not isinstance(data, dict) or not isinstance(data.get("tensors"), list) or not isinstance(
             data.get("rows"), list):
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--tensors", type=_tensor_size, nargs="+", metavar="SIZE",
                      help="each tensor's numel (524288) or shape (512x1024)")
     src.add_argument("--check", metavar="FILE",
-                     help="compare with the measured rows of scripts/bench_e2e.py --json FILE (workers, bandwidth "
+                     help="compare with the measured rows of benchmarks/bench_e2e.py --json FILE (workers, bandwidth "
                           "and T_compute come from each row)")
     p.add_argument("--layer-numel", type=_positive_int, default=LAYER_NUMEL,
                    help=f"with --params: largest tensor size (default {LAYER_NUMEL})")

@@ -9,5 +9,5 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 { date -u; nvidia-smi -L; "$py" -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/env.log"
 "$py" -m pytest -q -p no:cacheprovider tests/pytorch/test_device_select.py tests/pytorch/test_triton_select.py "$@" 2>&1 | tee "$out/tests.log"
-"$py" scripts/bench_compress.py --device cuda --repeat 10 2>&1 | tee "$out/bench.log"
-"$py" scripts/bench_triton_kernels.py 2>&1 | grep -v -i warn | tee "$out/kernels.log"
+"$py" benchmarks/bench_compress.py --device cuda --repeat 10 2>&1 | tee "$out/bench.log"
+"$py" benchmarks/bench_triton_kernels.py 2>&1 | grep -v -i warn | tee "$out/kernels.log"

@@ -80,7 +80,7 @@ class TopKConfig:
         spike_guard (float, optional): cap each tensor's local gradient norm at ``spike_guard`` times its running
             level (an average of its recent, capped norms; after 50 warm-up steps) before it enters the residual.
             A 100x gradient spike otherwise sits in the residual and crowds fresh gradients out of the payloads for
-            ~75 steps (scripts/fault_study.py spike). Like gradient clipping it departs from what dense training
+            ~75 steps (benchmarks/fault_study.py spike). Like gradient clipping it departs from what dense training
             would apply on such a step. Costs one read of the gradient per step. None (default): off.
         target (str): what is compressed. "gradient" (default): each rank's gradient; the user's optimizer steps on
             the average. "update": no gradient collective runs; each rank steps the optimizer on its own gradient,

@@ -31,7 +31,7 @@ the selector (README "Speed of the compression itself": ~17 ms per step for ResN
 thread). Horovod's fp16 cast is one elementwise pass and is left out.
 
 BANDWIDTH_EFFICIENCY: a shaped link delivers less than its nominal rate (TCP/IP headers and acknowledgements, the
-shaper's queue and TCP's reaction to it). Measured with scripts/bench_e2e.py on the test bed (2 workers, the
+shaper's queue and TCP's reaction to it). Measured with benchmarks/bench_e2e.py on the test bed (2 workers, the
 2.1M-parameter MLP, README "End-to-end step time"), rate delivered = model bytes * 8 / (T_step - T_compute):
 
     ==========  ======  ==============  ===========  ============  =========

@@ -19,7 +19,7 @@ rank has, so every rank takes the same decision without talking.
 The region of index i is a multiplicative hash of i (Knuth's 2654435761, the top bits of the low 32-bit word),
 not a contiguous block: Top-K entries cluster in few output channels / vocabulary rows, so contiguous blocks load
 one owner with most of the k entries (its capacity overflows, the others idle). Measured on real gradients
-(``python scripts/region_balance.py``: the digits CNN trained on its data and a character GRU language model,
+(``python benchmarks/region_balance.py``: the digits CNN trained on its data and a character GRU language model,
 ratio 0.01 with error feedback, 20 steps): the largest region's count in units of k / P, mean over steps, and in
 brackets the share of the k entries over the phase-1 capacity:
 

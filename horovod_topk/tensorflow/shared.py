@@ -25,7 +25,7 @@ __all__ = ["call", "call_any_shape", "traced_count"]
 _TRACED: Dict[Hashable, Any] = {}
 #: Not inlined into the step's graph: TensorFlow then optimises (Grappler) and instantiates each shared body once,
 #: not each tensor's copy; measured on 20 compressed tensors, the first call after tracing took 0.50 s instead of
-#: 1.34 s (dense: 0.19 s), with later steps unchanged (scripts/profile_tf_trace.py).
+#: 1.34 s (dense: 0.19 s), with later steps unchanged (benchmarks/profile_tf_trace.py).
 _NOINLINE = {"experimental_attributes": {"_noinline": True}}
 #: Python values that may be fixed in a shared trace: hashable by value, so equal ones share it.
 _STATIC = (int, float, bool, str, type(None), tf.DType, PayloadLayout, SizeOptions)
@@ -99,7 +99,7 @@ def _not_constant(tensor: tf.Tensor) -> tf.Tensor:
     the constant into a copy of the body), so a shared body would be copied, optimised and instantiated once per
     tensor again. A PlaceholderWithDefault passes its input through unchanged, but is not a constant to the
     optimiser (a placeholder may be fed), so every call keeps the one shared body. Measured on 120 compressed
-    tensors of two sizes (``scripts/profile_tf_trace.py``'s 60 layers of 256x256 plus 60 vectors of 1,024), the
+    tensors of two sizes (``benchmarks/profile_tf_trace.py``'s 60 layers of 256x256 plus 60 vectors of 1,024), the
     first call after tracing took 4.14 s with constant inputs and 2.56 s through placeholders (dense: 0.65 s; 2.22 s
     with TensorFlow's function optimizer switched off altogether)."""
     if tensor.op.type != "Const":

@@ -6,7 +6,7 @@
 
 Importing this package installs the routing of :mod:`horovod_topk.torch.routing` (in memory, once per process).
 Without Horovod installed at all there is nothing to route: the tensor math (ops, device_select, selection,
-kernels) still imports, e.g. for scripts/bench_compress.py on a machine with torch alone.
+kernels) still imports, e.g. for benchmarks/bench_compress.py on a machine with torch alone.
 """
 import importlib.util
 

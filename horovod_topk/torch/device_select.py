@@ -25,7 +25,7 @@ i.e. a full-size selection anyway. The radix selection has no rare case: a misle
 or a handful of huge entries all take the same fixed sequence of launches, and its result is exact (the same set
 as ``torch.topk``, ties aside: among equal magnitudes the lowest indices go). Its cost is a fixed number of
 elementwise passes (about 6 per round) and small k-sized work; how that compares with ``torch.topk`` on a GPU is
-not yet measured (``scripts/bench_compress.py --device cuda``).
+not yet measured (``benchmarks/bench_compress.py --device cuda``).
 
 Launches: about 170 aten calls per tensor and step (counted with torch.profiler on the CPU; many are scalar or
 2048-bin sized, and dtype conversions). At a few microseconds of host time each that is ~0.5 ms per tensor,

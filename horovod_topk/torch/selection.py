@@ -12,7 +12,7 @@ backend's ``compress`` and (through its handle) ``decompress``. Four backends:
 ``device``     other accelerators, and CUDA without Triton: device_select, exact and without host
                synchronisation, but ~170 small launches per tensor: on an H100, ResNet-50's weights took 62-92 ms
                this way across runs, against 16-23 ms for the reference and about 5 ms for torch.topk alone
-               (scripts/bench_compress.py --device cuda).
+               (benchmarks/bench_compress.py --device cuda).
 
 ``HOROVOD_TOPK_SELECTION=device`` (or ``triton``, ``fused``, ``reference``) forces a backend whatever the
 tensor's device (the fused one only for CPU tensors; ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``, set

@@ -1,7 +1,7 @@
 """Error-feedback Top-K for a whole group of float32 tensors at once, in a handful of Triton kernels.
 
 Why a second device path: device_select does one tensor with ~170 small torch ops. Measured on an H100
-(scripts/bench_compress.py --device cuda, torch 2.11): ResNet-50's 55 weight tensors take 62.5 ms to compress
+(benchmarks/bench_compress.py --device cuda, torch 2.11): ResNet-50's 55 weight tensors take 62.5 ms to compress
 that way, 13x *slower* than ``torch.topk`` over the same tensors (4.9 ms), because the host spends ~7 us
 launching each of ~9,000 small kernels; even one 25M tensor takes 3.2 ms. What costs on a GPU is the number of
 launches and of passes over memory, so this path does the same exact selection for all the tensors of a group in
@@ -51,7 +51,7 @@ from ..core.payload import ALIGNMENT, PayloadLayout
 
 __all__ = ["GroupLayout", "compensate_and_select", "accumulate", "supports", "WIRE_DTYPES"]
 
-# Tuning, measured on an H100 over ResNet-50's 55 weight tensors at ratio 0.01 (scripts/bench_triton_kernels.py,
+# Tuning, measured on an H100 over ResNet-50's 55 weight tensors at ratio 0.01 (benchmarks/bench_triton_kernels.py,
 # the kernels alone): placing selected entries costs a scan per program, 0.30 ms with 4096 entries per program,
 # 0.16 ms with 1024, 0.13 ms with 512 (but counting them then costs more); in the later histogram rounds, atomics
 # for blocks with at most 256 entries in the prefix's bucket took the three rounds from 0.31 to 0.20 ms, while

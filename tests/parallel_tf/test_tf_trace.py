@@ -1,5 +1,5 @@
 """The traced graph of a TopKEF step: tensors of the same size share one traced selection/packing/decoding body
-(horovod_topk.tensorflow.shared, issue 13), and the shared step still reduces like the unshared one."""
+(horovod_topk.tensorflow.shared), and the shared step still reduces like the unshared one."""
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf

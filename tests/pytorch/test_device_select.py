@@ -235,12 +235,12 @@ def test_cuda_selects_what_the_reference_selects_on_the_cpu(kind, n, k):
 
 
 def test_the_device_benchmark_runs_with_torch_alone():
-    """scripts/bench_compress.py --device, as on a GPU machine without Horovod (here on the CPU, tiny sizes)."""
+    """benchmarks/bench_compress.py --device, as on a GPU machine without Horovod (here on the CPU, tiny sizes)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_compress.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_compress.py"
     code = (
         "import runpy, sys\n"
         "sys.modules['horovod'] = None  # as if Horovod were not installed\n"

@@ -9,8 +9,8 @@ moments, counted tensor by tensor) and the peak resident memory of rank 0, for d
 mode, and update mode with the shared and the local second moment. Model: an MLP of --width (4 hidden layers,
 ~4.2M parameters at 1024) trained with AdamW.
 
-    python scripts/bench_update_mode.py                      # about 2 minutes
-    python scripts/bench_update_mode.py --width 2048 --rounds 3 --steps 30
+    python benchmarks/bench_update_mode.py                      # about 2 minutes
+    python benchmarks/bench_update_mode.py --width 2048 --rounds 3 --steps 30
 """
 from __future__ import annotations
 

@@ -8,16 +8,16 @@ measures the mean step time T_step, the efficiency E = T_compute / T_step (T_com
 same step without any communication, measured in the same worker), and the bytes the host's link really sent per
 step (its tx counter) next to what stats() says this rank handed to collectives. Prints a table, writes a plot of
 step time versus bandwidth and, with --json, the rows for `python -m horovod_topk.advise --check` and
-scripts/time_to_target.py.
+benchmarks/time_to_target.py.
 
 The default model (--model mlp): an MLP of 2.1M parameters (8.4 MB of float32 gradients), chosen so that a dense ring allreduce of its
 gradients takes several times its compute on this machine (~20x at 100 Mbit/s, ~2x at 1 Gbit/s).
 
-    python scripts/bench_e2e.py                      # needs root; runs scripts/testbed.sh (about 3 minutes)
-    python scripts/bench_e2e.py --rates 100mbit 1gbit --steps 10 --plot results/e2e.png
-    python scripts/bench_e2e.py --workers 4 --methods dense fp16 topk0.01-allgather topk0.01-sparse_allreduce \
+    python benchmarks/bench_e2e.py                      # needs root; runs scripts/testbed.sh (about 3 minutes)
+    python benchmarks/bench_e2e.py --rates 100mbit 1gbit --steps 10 --plot results/e2e.png
+    python benchmarks/bench_e2e.py --workers 4 --methods dense fp16 topk0.01-allgather topk0.01-sparse_allreduce \
         --json results/e2e_p4.json --plot docs/e2e_step_time_p4.png
-    python scripts/bench_e2e.py --workers 4 --model charlm --methods dense topk0.01-allgather topk0.01-sparse_allreduce
+    python benchmarks/bench_e2e.py --workers 4 --model charlm --methods dense topk0.01-allgather topk0.01-sparse_allreduce
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ MODELS = ["mlp", "digits", "charlm"]
 def build_model(name: str):
     """(model, optimizer factory, batch function): the step that is timed. ``mlp`` is the bandwidth-bound MLP of
     the table in README; ``digits`` and ``charlm`` are the CNN and the GRU language model of
-    scripts/convergence.py with their own optimizer and batch size, so that their step times multiply their
-    steps to target (scripts/time_to_target.py)."""
+    benchmarks/convergence.py with their own optimizer and batch size, so that their step times multiply their
+    steps to target (benchmarks/time_to_target.py)."""
     import horovod.torch as hvd
     import torch
 
@@ -64,7 +64,7 @@ def build_model(name: str):
                 for _ in range(4)]
         return (model, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), lambda i: data[i % 4],
                 lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from lm_tasks import make_task
 
     task = make_task(name)
@@ -187,7 +187,7 @@ def run_all(workers_list, rates, methods, steps, warmup, model, plot, json_path)
               f"{r['t_step_s'] * 1e3:.1f} | {r['t_compute_s'] / r['t_step_s']:.0%} | "
               f"{r['tx_bytes_per_step'] / 1e6:.3f} MB | {rep} |")
     if json_path:
-        # read by `python -m horovod_topk.advise --check` and scripts/time_to_target.py
+        # read by `python -m horovod_topk.advise --check` and benchmarks/time_to_target.py
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({"model": model, "tensors": rows[0]["tensors"], "grad_bytes": 4,
                                                "rows": [{k: v for k, v in r.items() if k != "tensors"}

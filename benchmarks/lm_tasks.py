@@ -1,5 +1,5 @@
-"""The language-model tasks of the convergence study, shared by scripts/convergence.py (real Horovod workers) and
-scripts/compression_sim.py (workers simulated in one process): data, model, the user's optimizer and schedule,
+"""The language-model tasks of the convergence study, shared by benchmarks/convergence.py (real Horovod workers) and
+benchmarks/compression_sim.py (workers simulated in one process): data, model, the user's optimizer and schedule,
 batches and validation, defined once so that both measure the same thing.
 
 Data: the Python standard library's own source files (the *.py files of this interpreter's stdlib directory,
@@ -30,7 +30,7 @@ TASKS = ("charlm", "gptlm")
 def corpus(size: int = 2_000_000) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """The text, and where it came from. HOROVOD_TOPK_CORPUS names a file to read instead: another Python's stdlib
     holds other text, so a run on another machine (a GPU host) reads this machine's text saved to a file
-    (``python scripts/lm_tasks.py --save FILE``) to measure the same task."""
+    (``python benchmarks/lm_tasks.py --save FILE``) to measure the same task."""
     saved = os.environ.get("HOROVOD_TOPK_CORPUS")
     if saved:
         text = Path(saved).read_bytes()[:size]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Run many scripts/compression_sim.py screens at once, e.g. on a GPU host (many small models share one GPU well):
+# Run many benchmarks/compression_sim.py screens at once, e.g. on a GPU host (many small models share one GPU well):
 #
-#   python scripts/lm_tasks.py --save .gpu/corpus.bin          # this machine's text, so the task is the same there
-#   OUT=results/sim-batch bash scripts/sim_batch.sh JOBS 14 470 --device cuda
+#   python benchmarks/lm_tasks.py --save .gpu/corpus.bin          # this machine's text, so the task is the same there
+#   OUT=results/sim-batch bash benchmarks/sim_batch.sh JOBS 14 470 --device cuda
 #
 # JOBS: one screen per line, compression_sim.py's arguments (e.g. "--task gptlm --steps 1200 --seeds 0 --methods
 # dense"). PARALLEL screens run at a time; none starts after DEADLINE_S seconds and each is stopped a minute after
@@ -25,7 +25,7 @@ while read -r line; do
   elapsed=$(( $(date +%s) - start ))
   if [ "$elapsed" -gt "$deadline" ]; then echo "deadline: not started: $line" >> "$OUT/log.txt"; continue; fi
   # shellcheck disable=SC2086  # a line is a list of arguments
-  ( timeout $(( deadline + 60 - elapsed )) "$PYTHON" scripts/compression_sim.py --out "$OUT/sim" "$@" $line \
+  ( timeout $(( deadline + 60 - elapsed )) "$PYTHON" benchmarks/compression_sim.py --out "$OUT/sim" "$@" $line \
       < /dev/null >> "$OUT/log.txt" 2>> "$OUT/err.txt" || echo "FAILED($?): $line" >> "$OUT/log.txt" ) &
 done < "$jobs_file"
 wait

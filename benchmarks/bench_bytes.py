@@ -3,14 +3,14 @@
 and predicted by the cost model of horovod_topk.core.exchange.
 
 Measured: scripts/testbed.sh runs P workers on P network-namespace hosts (the real mpirun launch path); each
-worker trains the MLP of scripts/bench_e2e.py (2.1M parameters; --model textcnn: embedding + convolutions) a few
+worker trains the MLP of benchmarks/bench_e2e.py (2.1M parameters; --model textcnn: embedding + convolutions) a few
 steps per method and reads its host link's tx counter (bytes sent, which include TCP/IP headers and Horovod's negotiation) around them. Predicted: the sum
 over the model's tensors of core.exchange.exchange_nbytes for the route each tensor takes (dense tensors: a ring
 allreduce). Timing is not measured: only bytes.
 
-    python scripts/bench_bytes.py --workers 2 4 8            # needs root: measured table (+ model)
-    python scripts/bench_bytes.py --model-only --plot docs/bytes_vs_workers.png   # model table to P = 1024
-    python scripts/bench_bytes.py --model textcnn --workers 2 4 8 --plot docs/bytes_vs_workers_textcnn.png
+    python benchmarks/bench_bytes.py --workers 2 4 8            # needs root: measured table (+ model)
+    python benchmarks/bench_bytes.py --model-only --plot docs/bytes_vs_workers.png   # model table to P = 1024
+    python benchmarks/bench_bytes.py --model textcnn --workers 2 4 8 --plot docs/bytes_vs_workers_textcnn.png
 """
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ Every worker's gradient is computed on its own batch from the same replica (what
 identical replicas computes), each worker compresses its own gradient with its own error-feedback residual, and the
 average of what the workers sent is applied by the user's optimizer: the arithmetic of a P-worker Horovod job
 without processes or collectives, so a method can be screened in a fraction of a real run's time. The real numbers
-come from scripts/convergence.py (real Horovod workers, the real TopKEF); this script is for deciding what to
+come from benchmarks/convergence.py (real Horovod workers, the real TopKEF); this script is for deciding what to
 measure there.
 
-    python scripts/compression_sim.py --task charlm --steps 400 --methods dense topk:0.01 block:16:2:1
+    python benchmarks/compression_sim.py --task charlm --steps 400 --methods dense topk:0.01 block:16:2:1
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from lm_tasks import LMTask, make_task  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Plot simulator screens (scripts/compression_sim.py results): validation loss against steps and against bytes
+"""Plot simulator screens (benchmarks/compression_sim.py results): validation loss against steps and against bytes
 handed to collectives, mean over the seeds found, one line per method.
 
-    python scripts/plot_sim.py results/sim-gpu/sim --task gptlm --steps 3600 --out docs/sim_gptlm-3600.png
+    python benchmarks/plot_sim.py results/sim-gpu/sim --task gptlm --steps 3600 --out docs/sim_gptlm-3600.png
 
 Bytes are the run's ``bytes_fraction`` of dense's, spread evenly over its steps (every method here sends the same
 bytes each step), in units of dense's bytes per step: dense's line is then the number of steps.

@@ -2,8 +2,8 @@
 """Per-kernel GPU time of the grouped Triton selection (horovod_topk/torch/triton_select.py) on ResNet-50's weight
 shapes at ratio 0.01, the tuning table's source (the constants at the top of triton_select.py); needs CUDA.
 
-    python scripts/bench_triton_kernels.py                       # the tuned values
-    python scripts/bench_triton_kernels.py --scan-block 1024 4096 --few 256 1024
+    python benchmarks/bench_triton_kernels.py                       # the tuned values
+    python benchmarks/bench_triton_kernels.py --scan-block 1024 4096 --few 256 1024
 
 It also times all-zero gradients (every entry ties with the k-th: the worst case for the histogram rounds)
 against torch.topk over the same tensors.

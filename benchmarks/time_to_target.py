@@ -2,19 +2,19 @@
 """Time to reach dense's final loss on a shaped link: what a user of a slow network actually waits for.
 
 Combines two measurements taken separately (each needs the whole machine):
-  - steps to target, from scripts/convergence.py's runs (3 seeds, P workers): for a language model the first
+  - steps to target, from benchmarks/convergence.py's runs (3 seeds, P workers): for a language model the first
     evaluation at which the validation loss is at or below 1.01 x dense's final validation loss (mean over seeds);
     for digits the first epoch whose training loss (averaged over workers) is at or below 1.01 x dense's final
     training loss;
   - the step time of the same model, P workers and method on the test bed's shaped links, from
-    `scripts/bench_e2e.py --model ... --json FILE`.
+    `benchmarks/bench_e2e.py --model ... --json FILE`.
 Time to target = steps to target x step time. Why a product and not one timed training run per link: a timed run
 of every method to convergence on every link is hours of this 2-core machine, while the step time does not depend
 on the step's data; the product is exact as long as the step time is steady, which bench_e2e's 10-step means
 assume as well.
 
-    python scripts/time_to_target.py --task charlm --workers 4 --e2e results/e2e_charlm_p4.json
-    python scripts/time_to_target.py --task digits --workers 4 --e2e results/e2e_digits_p4.json
+    python benchmarks/time_to_target.py --task charlm --workers 4 --e2e results/e2e_charlm_p4.json
+    python benchmarks/time_to_target.py --task digits --workers 4 --e2e results/e2e_digits_p4.json
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from convergence import LM_BUDGETS, OVERRUN, result_name, steps_to_target  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--budget", default="short", choices=["short", "converged"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--e2e", required=True, help="JSON written by scripts/bench_e2e.py --json for this model")
+    parser.add_argument("--e2e", required=True, help="JSON written by benchmarks/bench_e2e.py --json for this model")
     parser.add_argument("--convergence", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--steps-per-epoch", type=int,
                         help="digits: optimizer steps per epoch at this P (default: 1437 training images / P / 32)")
@@ -60,7 +60,7 @@ def main() -> None:
         paths = [conv / result_name(args.task, method, s, args.budget, args.workers) for s in args.seeds]
         missing = [str(p) for p in paths if not p.exists()]
         if missing:
-            parser.error(f"no convergence run for {method}: {', '.join(missing)} (run scripts/convergence.py "
+            parser.error(f"no convergence run for {method}: {', '.join(missing)} (run benchmarks/convergence.py "
                          f"--workers {args.workers} --tasks {args.task} --methods {method})")
         runs[method] = [json.loads(p.read_text()) for p in paths]
     if "dense" not in runs:

@@ -3,22 +3,22 @@
 
 For each model (one 1M tensor, one 10M tensor, a 25.6M-parameter ResNet-50 made of its real layer shapes) and
 ratio, it times in the same run, best of --repeat, interleaved:
-  elementwise   one elementwise pass over all parameters (r.add_(g)): the unit of the issue's bar
+  elementwise   one elementwise pass over all parameters (r.add_(g)): the unit of the speed bar in docs/performance.md
   exact top-k   torch.topk over |r + g| per tensor (the selection alone)
   compress      residual + selection + payload, per selector ("sampled" fused kernel, "exact" torch ops)
   decompress    the dense average from P=2 payloads, per selector
 and prints the ratios, bytes on the wire per step versus a dense ring allreduce, and the peak extra memory per
 parameter (measured in a fresh process per selector: RSS growth over the gradients' own memory).
 
-    python scripts/bench_compress.py                   # the table in README
-    python scripts/bench_compress.py --repeat 3 --models 1M
+    python benchmarks/bench_compress.py                   # the table in README
+    python benchmarks/bench_compress.py --repeat 3 --models 1M
 
 With ``--device cuda`` (or ``cpu``) it benchmarks the device selection path instead (torch alone, no Horovod):
 ResNet-50's and GPT-2 small's real shapes and one 25M tensor at ratios 0.01 and 0.001, on that device, timed with
 CUDA events on a GPU; ``--shrink 100`` divides every size by 100 for a quick check on a CPU.
 
-    python scripts/bench_compress.py --device cuda
-    python scripts/bench_compress.py --device cpu --shrink 100 --repeat 2
+    python benchmarks/bench_compress.py --device cuda
+    python benchmarks/bench_compress.py --device cpu --shrink 100 --repeat 2
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 
 Run each under Horovod with 2 workers; rank 0 prints a table:
 
-    horovodrun -np 2 -H localhost:2 python scripts/fault_study.py spike     # a 100x gradient spike on one rank
-    horovodrun -np 2 -H localhost:2 python scripts/fault_study.py noniid    # per-worker residual norms, IID vs not
-    horovodrun -np 2 -H localhost:2 python scripts/fault_study.py soak --steps 10000   # memory and time drift
+    horovodrun -np 2 -H localhost:2 python benchmarks/fault_study.py spike     # a 100x gradient spike on one rank
+    horovodrun -np 2 -H localhost:2 python benchmarks/fault_study.py noniid    # per-worker residual norms, IID vs not
+    horovodrun -np 2 -H localhost:2 python benchmarks/fault_study.py soak --steps 10000   # memory and time drift
 
 spike   at step S0 rank 0's gradient is scaled to 100x its mean norm over its previous 50 steps, for one step. For dense Horovod and for TopKEF with the
         options given, it prints the residual norm relative to its level before the spike, how many steps it took

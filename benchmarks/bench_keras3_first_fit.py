@@ -7,7 +7,7 @@ traces and optimises the train function, the second only runs it. Keras 3 builds
 before tracing, so any second trace of the train function would be TopKEF's doing (horovod_topk.tensorflow.state).
 One process (``hvd.init()`` alone) unless run under ``horovodrun``; methods run one after the other in it.
 
-    python scripts/bench_keras3_first_fit.py dense topk
+    python benchmarks/bench_keras3_first_fit.py dense topk
 """
 from __future__ import annotations
 

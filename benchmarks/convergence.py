@@ -5,7 +5,7 @@ and schedule.
 Tasks (no synthetic data, no downloads):
   digits          scikit-learn's handwritten digits, the CNN of examples/digits_torch.py: test accuracy
   digits-noniid   the same, but worker 0 trains only on digits 0-4 and worker 1 only on 5-9
-  charlm, gptlm   byte-level language models on the Python standard library's own source (scripts/lm_tasks.py):
+  charlm, gptlm   byte-level language models on the Python standard library's own source (benchmarks/lm_tasks.py):
                   a GRU with Adam, and a small decoder-only transformer with AdamW, warm-up and cosine decay.
                   Two budgets (--budget short|converged, steps in LM_BUDGETS); validation loss, steps to reach 1.01x
                   dense's final validation loss (compressed methods run 1.5x the budget to find it), bytes handed to
@@ -17,9 +17,9 @@ Each run is its own `horovodrun -np P` job writing one JSON file; finished runs 
 study resumes where it stopped. One line per finished run ([k/N] ...), then a table (mean ± half range over
 seeds) and one loss-curve plot per task.
 
-    python scripts/convergence.py                                  # everything, 3 seeds (about 15 minutes here)
-    python scripts/convergence.py --tasks digits --seeds 0 --out /tmp/conv
-    python scripts/convergence.py --workers 4 --tasks digits charlm \
+    python benchmarks/convergence.py                                  # everything, 3 seeds (about 15 minutes here)
+    python benchmarks/convergence.py --tasks digits --seeds 0 --out /tmp/conv
+    python benchmarks/convergence.py --workers 4 --tasks digits charlm \
         --methods dense topk0.01-allgather topk0.01-sparse_allreduce        # the two exchanges at P = 4
 """
 from __future__ import annotations
@@ -122,13 +122,13 @@ OVERRUN = 1.5
 
 
 def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
-    """One language-model run (scripts/lm_tasks.py) on real Horovod workers. Runs the budget, or 1.5x the budget
+    """One language-model run (benchmarks/lm_tasks.py) on real Horovod workers. Runs the budget, or 1.5x the budget
     for a compressed method (the learning-rate schedule is the budget's; past it the rate stays at its floor), with
     a validation point every budget/40 steps and the bytes this rank handed to collectives at each point."""
     import horovod.torch as hvd
     import torch
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from lm_tasks import make_task
 
     task = make_task(task_name)

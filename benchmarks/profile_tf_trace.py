@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where TopKEF's first TensorFlow step goes, on a small synthetic model (issue 13).
+"""Where TopKEF's first TensorFlow step goes, on a small synthetic model.
 
 A ``tf.function`` training step with ``hvd.DistributedGradientTape`` over ``--layers`` dense layers (a weight
 matrix and a bias each; the matrices are compressed, the biases stay dense), once per method in the same process
@@ -15,8 +15,8 @@ so that the numbers compare side by side. Per method it reports:
 One worker by default (``hvd.init()`` alone: on one rank the exchange is the allgather, as on 2); run it under
 ``horovodrun -np 2 -H localhost:2 --gloo`` for two.
 
-    python scripts/profile_tf_trace.py
-    python scripts/profile_tf_trace.py --methods topk topk-exact --profile 25
+    python benchmarks/profile_tf_trace.py
+    python benchmarks/profile_tf_trace.py --methods topk topk-exact --profile 25
 """
 from __future__ import annotations
 

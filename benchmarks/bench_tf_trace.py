@@ -13,9 +13,9 @@ compressed branch at the final k instead (its steps after the first).
 Small images (--image, default 64) keep a step on this 2-core machine short: the trace cost depends on the
 graph (number of variables and ops), not on the image size.
 
-    python scripts/bench_tf_trace.py                              # ResNet-50, 2 workers (about 15 minutes here)
-    python scripts/bench_tf_trace.py --methods topk0.01 topk0.01-warmup --warmup-steps 1 --steps 5
-    python scripts/bench_tf_trace.py --model MobileNetV2 --image 96 --steps 5
+    python benchmarks/bench_tf_trace.py                              # ResNet-50, 2 workers (about 15 minutes here)
+    python benchmarks/bench_tf_trace.py --methods topk0.01 topk0.01-warmup --warmup-steps 1 --steps 5
+    python benchmarks/bench_tf_trace.py --model MobileNetV2 --image 96 --steps 5
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ model's embedding (random tokens), ratio 0.01 with error feedback (residual kept
 largest region's share of a rank's k selected entries in units of k / P (1.0 = perfectly even), mean and worst
 over steps, and the fraction of the k entries that overflow the phase-1 capacity (core.exchange.capacity).
 
-    python scripts/region_balance.py
+    python benchmarks/region_balance.py
 """
 from __future__ import annotations
 
