@@ -31,16 +31,33 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--dense", action="store_true", help="plain Horovod allreduce instead of TopKEF")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", metavar="PATH", help="rank 0 writes the run's numbers there as JSON "
-                        "(per-epoch loss and accuracy, bytes handed to collectives, wall time; scripts/demo.sh)")
+                        "(per-epoch loss, accuracy and training time, bytes handed to collectives, wall time; scripts/demo.sh)")
     return parser.parse_args()
 
 
+def step_seconds(history: List[Dict[str, float]]) -> Optional[float]:
+    """Training time per step: the median over epochs of each epoch's training time (evaluation excluded) divided
+    by its steps, leaving out the first epoch when there are others (it includes one-time costs: tracing, kernel
+    loading, Horovod's first negotiation)."""
+    epochs = [h for h in history if h.get("steps")]
+    if len(epochs) > 1:
+        epochs = epochs[1:]
+    if not epochs:
+        return None
+    per_step = sorted(h["train_s"] / h["steps"] for h in epochs)
+    mid = len(per_step) // 2
+    return per_step[mid] if len(per_step) % 2 else (per_step[mid - 1] + per_step[mid]) / 2
+
+
 def write_summary(path: Optional[str], framework: str, method: str, history: List[Dict[str, float]],
-                  bytes_sent: float, bytes_dense: float, wall_s: float) -> None:
-    """The numbers scripts/demo_report.py compares (rank 0 only)."""
+                  bytes_sent: float, bytes_dense: float, wall_s: float, *, ratio: Optional[float] = None,
+                  tensors: Optional[List[int]] = None) -> None:
+    """The numbers scripts/demo_report.py compares (rank 0 only). ``ratio``: TopKEF's (None for dense);
+    ``tensors``: each trainable tensor's number of elements (the advisor's model of this network)."""
     if not path:
         return
     with open(path, "w") as out:
         json.dump({"framework": framework, "method": method, "history": history,
                    "final_accuracy": history[-1]["accuracy"] if history else None,
-                   "bytes_sent": bytes_sent, "bytes_dense": bytes_dense, "wall_s": wall_s}, out, indent=1)
+                   "bytes_sent": bytes_sent, "bytes_dense": bytes_dense, "wall_s": wall_s,
+                   "step_s": step_seconds(history), "ratio": ratio, "tensors": tensors}, out, indent=1)

@@ -8,6 +8,7 @@ Same data, model and schedule as digits_torch.py. Horovod 0.28.1's Keras wrapper
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -35,15 +36,22 @@ def digits_cnn() -> tf.keras.Model:
 class Report(tf.keras.callbacks.Callback):
     """Rank 0 prints loss, test accuracy and bytes sent versus dense after every epoch."""
 
-    def __init__(self, compressor, x_test, y_test) -> None:
+    def __init__(self, compressor, x_test, y_test, steps_per_epoch: int) -> None:
         super().__init__()
         self.compressor, self.x_test, self.y_test = compressor, x_test, y_test
+        self.steps_per_epoch = steps_per_epoch
         self.accuracy = 0.0
         self.history = []
+        self.epoch_start = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
+        train_s = time.perf_counter() - self.epoch_start  # the epoch's training steps, before the evaluation
         self.accuracy = float((self.model.predict(self.x_test, verbose=0).argmax(1) == self.y_test).mean())
-        self.history.append({"epoch": epoch + 1, "loss": float(logs["loss"]), "accuracy": self.accuracy})
+        self.history.append({"epoch": epoch + 1, "loss": float(logs["loss"]), "accuracy": self.accuracy,
+                             "train_s": train_s, "steps": self.steps_per_epoch})
         if hvd.rank() == 0:
             line = f"epoch {epoch + 1:2d}  loss {logs['loss']:.4f}  test accuracy {self.accuracy:.4f}"
             if self.compressor is not None:
@@ -72,9 +80,9 @@ def main() -> None:
         method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
         print(f"digits CNN (Keras): {model.count_params()} parameters, {hvd.size()} workers, {method}, "
               f"{len(x_train)} training images per worker, {len(x_test)} test images", flush=True)
-    report = Report(compressor, x_test, y_test)
     # the same number of steps on every worker, or one of them would wait for the other's gradients forever
     steps = int(hvd.allreduce(tf.constant(len(x_train) // args.batch_size), op=hvd_tf.Min, name="steps"))
+    report = Report(compressor, x_test, y_test, steps)
     start = time.perf_counter()
     model.fit(
         x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, steps_per_epoch=steps, verbose=0,
@@ -86,7 +94,9 @@ def main() -> None:
         dense_bytes = 4 * model.count_params() * steps * args.epochs  # float32 gradients, every step
         sent = dense_bytes if compressor is None else compressor.stats()["bytes_sent"]
         method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
-        write_summary(args.summary, "Keras", method, report.history, sent, dense_bytes, wall)
+        write_summary(args.summary, "Keras", method, report.history, sent, dense_bytes, wall,
+                      ratio=None if args.dense else args.ratio,
+                      tensors=[math.prod(int(d) for d in w.shape) for w in model.trainable_weights])
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def main() -> None:
         # the same number of steps on every worker, or one of them would wait for the other's gradients forever
         steps = hvd.allreduce(torch.tensor(len(order) // args.batch_size), op=hvd.Min, name="steps").item()
         total_loss = 0.0
+        epoch_start = time.perf_counter()
         for step in range(steps):
             idx = order[step * args.batch_size:(step + 1) * args.batch_size]
             optimizer.zero_grad()
@@ -76,11 +77,13 @@ def main() -> None:
             optimizer.step()
             total_loss += loss.item()
             dense_bytes += gradient_bytes  # what plain Horovod hands its allreduces per step
+        train_s = time.perf_counter() - epoch_start
         model.eval()
         with torch.no_grad():
             accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         mean_loss = hvd.allreduce(torch.tensor(total_loss / steps), name="loss").item()
-        history.append({"epoch": epoch, "loss": mean_loss, "accuracy": accuracy})
+        history.append({"epoch": epoch, "loss": mean_loss, "accuracy": accuracy, "train_s": train_s,
+                        "steps": steps})
         if hvd.rank() == 0:
             line = f"epoch {epoch:2d}  loss {mean_loss:.4f}  test accuracy {accuracy:.4f}"
             if not args.dense:
@@ -93,7 +96,8 @@ def main() -> None:
         print(f"done in {wall:.1f} s; final test accuracy {accuracy:.4f}", flush=True)
         sent = dense_bytes if args.dense else compression.stats()["bytes_sent"]
         method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
-        write_summary(args.summary, "PyTorch", method, history, sent, dense_bytes, wall)
+        write_summary(args.summary, "PyTorch", method, history, sent, dense_bytes, wall,
+                      ratio=None if args.dense else args.ratio, tensors=[p.numel() for p in model.parameters()])
 
 
 if __name__ == "__main__":
