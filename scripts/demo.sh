@@ -2,9 +2,10 @@
 # Sets everything up if needed (scripts/setup.sh), then trains the digits CNN on 2 Horovod workers (Gloo) with
 # TopKEF and, for comparison, with plain Horovod (dense allreduce), in PyTorch and in TensorFlow/Keras. Shows one
 # line per epoch from rank 0, then a side-by-side table, a plot (PNG), and where TopKEF pays: the advisor's
-# prediction for the same model on 8 workers at 1 and 10 Gbit/s from the step times measured here (on one machine,
-# over loopback, TopKEF's own work shows and what it saves does not; scripts/demo_report.py). Every process's full output, framework
-# logs included, goes to a log file per run in the output directory (DEMO_OUT, default: a new temporary one).
+# prediction for the same model on 8 workers at 1 and 10 Gbit/s from the step times measured here (on one
+# machine, over loopback, TopKEF's own work shows and what it saves does not; scripts/demo_report.py). Every
+# process's full output, framework logs included, goes to a log file per run in the output directory (DEMO_OUT,
+# default: a new temporary one).
 # Extra arguments go to every run (e.g. scripts/demo.sh --ratio 0.001 --epochs 10).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
