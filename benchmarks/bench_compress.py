@@ -10,7 +10,7 @@ ratio, it times in the same run, best of --repeat, interleaved:
 and prints the ratios, bytes on the wire per step versus a dense ring allreduce, and the peak extra memory per
 parameter (measured in a fresh process per selector: RSS growth over the gradients' own memory).
 
-    python benchmarks/bench_compress.py                   # the table in README
+    python benchmarks/bench_compress.py                   # the table in docs/performance.md
     python benchmarks/bench_compress.py --repeat 3 --models 1M
 
 With ``--device cuda`` (or ``cpu``) it benchmarks the device selection path instead (torch alone, no Horovod):

@@ -33,14 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
-#: models' tensors on the allgather up to P = 4 at least: README "Many workers"): measured on request.
+#: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
 EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce"]
 MODELS = ["mlp", "digits", "charlm"]
 
 
 def build_model(name: str):
     """(model, optimizer factory, batch function): the step that is timed. ``mlp`` is the bandwidth-bound MLP of
-    the table in README; ``digits`` and ``charlm`` are the CNN and the GRU language model of
+    the table in docs/performance.md; ``digits`` and ``charlm`` are the CNN and the GRU language model of
     benchmarks/convergence.py with their own optimizer and batch size, so that their step times multiply their
     steps to target (benchmarks/time_to_target.py)."""
     import horovod.torch as hvd

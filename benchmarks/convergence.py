@@ -57,7 +57,7 @@ def compression_for(method: str, warmup_steps: int):
         "compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8"),
         "compact0.0025-warmup": TopKEF(ratio=0.0025, index_bits=16, value_dtype="float8", warmup_steps=warmup_steps),
         "topk0.0267": TopKEF(ratio=0.0267),  # the entries of compact0.025's budget, at 8 bytes each (2.7x its bytes)
-        # the two exchanges forced (exchange="auto" weighs bytes and collectives: README "Many workers")
+        # the two exchanges forced (exchange="auto" weighs bytes and collectives: docs/how-it-works.md, "Exchanges")
         "topk0.01-allgather": TopKEF(ratio=0.01, exchange="allgather"),
         # update mode: each rank's optimizer update travels (Adam/AdamW under the shared block second moment; SGD
         # steps on its own), at the bytes of topk0.01 and compact0.025; and with each rank's own second moment
@@ -115,7 +115,7 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
 #: validation loss changes < 1% over the last 20% of the steps; checked by summarize and printed with the table).
 #: gptlm's cosine schedule keeps its loss falling to the end of any budget (2.2% over the last 20% at 1,200 steps,
 #: 1.2% at 3,600, 1.1% at 4,800, simulator, 3 seeds): 3,600 is taken as converged because 4,800 ends only 0.4%
-#: lower (README, "The transformer, screened on a GPU"). The real-worker gptlm table of 2026-11-23 used 1,200.
+#: lower (docs/convergence.md, "The transformer, screened on a GPU"). The real-worker gptlm table of 2026-11-23 used 1,200.
 LM_BUDGETS = {"charlm": {"short": 400, "converged": 1600}, "gptlm": {"short": 400, "converged": 3600}}
 #: Compressed methods run this much longer than the budget, to find their steps to dense's target loss.
 OVERRUN = 1.5

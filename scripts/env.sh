@@ -16,5 +16,5 @@ export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="${HOROVOD_STALL_SHUTDOWN_TIME_SECOND
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 unset _root
 # Keras 2 (tf-keras) behind tf.keras: Horovod 0.28.1's TensorFlow wrappers fail on Keras 3 variables
-# ("'Variable' object has no attribute 'ref'"). See README, TensorFlow section.
+# ("'Variable' object has no attribute 'ref'"). See docs/tensorflow.md.
 export TF_USE_LEGACY_KERAS="${TF_USE_LEGACY_KERAS:-1}"
