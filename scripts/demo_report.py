@@ -126,7 +126,8 @@ def where_it_pays(runs: List[Dict[str, Any]]) -> str:
         for i, bps in enumerate(LINKS):
             t = predict_steps(topk["tensors"], topk["ratio"], t_compute, t_extra, bps)
             best = min(t["dense"], t["fp16"])
-            verdict = (f"pays: {best / t['topk']:.2f}x faster" if t["topk"] < best else "does not pay")
+            rival = "dense" if t["dense"] <= t["fp16"] else "fp16"
+            verdict = (f"pays: {best / t['topk']:.2f}x faster than {rival}" if t["topk"] < best else "does not pay")
             rows.append((topk["framework"] if i == 0 else "", f"{t_compute * 1e3:.1f} ms" if i == 0 else "",
                          f"{t_extra * 1e3:.1f} ms" if i == 0 else "", _rate(bps), f"{t['dense'] * 1e3:.1f} ms",
                          f"{t['fp16'] * 1e3:.1f} ms", f"{t['topk'] * 1e3:.1f} ms", verdict))
