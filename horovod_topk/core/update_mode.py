@@ -34,14 +34,17 @@ __all__ = [
     "TAPE_REFUSAL",
     "TENSORFLOW_REFUSAL",
     "update_tensor_name",
+    "block_count",
 ]
 
-#: The name of update mode's one collective before the local step (block second moments + non-finite counts).
+#: The name of the shared second moment's allreduce (every tensor's block mean squares), before the local step.
 MOMENTS_NAME = "topk.update.moments"
 
-#: Optimizer classes whose step horovod-topk computes under a shared second moment: class name -> whether weight
-#: decay is decoupled (AdamW) or joins the gradient (Adam's L2 penalty).
-ADAM_FAMILY: Dict[str, bool] = {"Adam": False, "AdamW": True}
+#: Optimizer classes whose step horovod-topk computes under a shared second moment, by qualified name (module and
+#: class: a third-party class called "AdamW" with other options is not torch's) -> whether weight decay is
+#: decoupled by default (AdamW) or joins the gradient (Adam's L2 penalty; Adam's ``decoupled_weight_decay=True``
+#: group option makes it AdamW).
+ADAM_FAMILY: Dict[str, bool] = {"torch.optim.adam.Adam": False, "torch.optim.adamw.AdamW": True}
 
 #: Why gradient tapes cannot run update mode, and what to use instead.
 TAPE_REFUSAL = (
@@ -74,6 +77,11 @@ class MomentsLayout:
     numel: int
 
 
+def block_count(numel: int, block: int) -> int:
+    """How many shared second-moment values a tensor of ``numel`` entries has (the last block may be short)."""
+    return -(-int(numel) // block)
+
+
 def moments_layout(numels: Sequence[int], block: int) -> MomentsLayout:
     """The flat buffer of one step's shared second moment: ceil(numel / block) values per tensor, in order. A
     non-finite gradient entry makes its block's value non-finite, so the summed buffer also says whether any rank's
@@ -81,7 +89,7 @@ def moments_layout(numels: Sequence[int], block: int) -> MomentsLayout:
     spans: List[Tuple[int, int]] = []
     offset = 0
     for numel in numels:
-        count = -(-int(numel) // block)
+        count = block_count(numel, block)
         spans.append((offset, count))
         offset += count
     return MomentsLayout(tuple(spans), offset)
@@ -90,18 +98,20 @@ def moments_layout(numels: Sequence[int], block: int) -> MomentsLayout:
 def shared_moment_hyperparameters(
     class_name: str, group: Dict[str, object]
 ) -> Tuple[float, float, float, float, float, bool]:
-    """(lr, beta1, beta2, eps, weight_decay, decoupled) of one parameter group of an Adam-family optimizer, read every step (a
-    schedule changes lr), and whether decay is decoupled; a ValueError names what the shared second moment cannot
-    reproduce."""
+    """(lr, beta1, beta2, eps, weight_decay, decoupled) of one parameter group of an Adam-family optimizer (class by
+    qualified name), read every step (a schedule changes lr); a ValueError names what the shared second moment
+    cannot reproduce."""
     if class_name not in ADAM_FAMILY:
+        short = class_name.rsplit(".", 1)[-1]
         raise ValueError(
-            f"horovod-topk: TopKEF(target='update', second_moment='shared') computes Adam/AdamW's step itself and "
-            f"cannot do {class_name}'s; use torch.optim.Adam or AdamW, or second_moment='local' (each rank steps "
-            f"its own {class_name}; averaging their updates costs convergence as the number of ranks grows)."
+            f"horovod-topk: TopKEF(target='update', second_moment='shared') computes torch.optim.Adam/AdamW's step "
+            f"itself and cannot do {class_name}'s; use torch.optim.Adam or AdamW, or second_moment='local' (each "
+            f"rank steps its own {short}; averaging their updates costs convergence as the number of ranks grows)."
         )
-    for option, refused in (("amsgrad", True), ("maximize", True), ("differentiable", True)):
-        if bool(group.get(option, False)) == refused:
-            raise ValueError(f"horovod-topk: {class_name}({option}=True) is not supported with target='update', "
+    short = class_name.rsplit(".", 1)[-1]
+    for option in ("amsgrad", "maximize", "differentiable"):
+        if bool(group.get(option, False)):
+            raise ValueError(f"horovod-topk: {short}({option}=True) is not supported with target='update', "
                              f"second_moment='shared'; use second_moment='local' for it")
     lr = group["lr"]
     if not isinstance(lr, (int, float)):  # a tensor lr (capturable/fused setups): read as a number
@@ -110,7 +120,8 @@ def shared_moment_hyperparameters(
     beta1, beta2 = float(betas[0]), float(betas[1])  # type: ignore[index]
     eps = float(group["eps"])  # type: ignore[arg-type]
     weight_decay = float(group.get("weight_decay", 0.0))  # type: ignore[arg-type]
-    return float(lr), beta1, beta2, eps, weight_decay, ADAM_FAMILY[class_name]
+    decoupled = bool(group.get("decoupled_weight_decay", ADAM_FAMILY[class_name]))
+    return float(lr), beta1, beta2, eps, weight_decay, decoupled
 
 
 def resolve_second_moment(setting: str, class_name: str, groups: Sequence[Dict[str, object]]) -> str:

@@ -10,7 +10,7 @@ routes the mark and the tensor is simply reduced dense.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Set, Tuple, Union
 
 import torch
 
@@ -134,6 +134,12 @@ class TopKEF(TopKEFBase[torch.Tensor]):
     ``TopKEF(log_every=N, summary_writer=w)`` reports every N steps (core.telemetry).
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Names of gradients held in update mode whose first-step agreement check has started (again after a load,
+        #: as for every record; the update's own record is keyed by parameter name, not by these names).
+        self._held_verified: Set[str] = set()
+
     def _alias(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach()  # shares storage with the gradient: a dense in-place allreduce still lands there
 
@@ -164,12 +170,17 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         """Update mode's gradient: no collective; on the tensor's first step the ranks' agreement check, under the
         name gradient mode gives it, so that a rank in the other mode meets it and both raise instead of hanging."""
         pending.route = "local"
-        record = self.registry.record(update_tensor_name(name), tuple(tensor.shape))
-        if not record.verified:
-            record.verified = True
+        if name not in self._held_verified:  # no registry record: the update's own is keyed by parameter name
+            self._held_verified.add(name)
             update = torch.empty((), dtype=torch.float32).expand(tensor.shape)  # what will travel: a float32 update
-            plan = self._plan(name, update, record, process_set.size())
-            pending.check = self._agreement_check(name, record, update, plan.k, process_set, plan.exchange)
+            steps = self.registry.records[update_tensor_name(name)].steps \
+                if update_tensor_name(name) in self.registry.records else 0
+            plan = plan_tensor(name, update.numel(), True, self.config, world_size=process_set.size(), step=steps,
+                               value_itemsize=_dtype_token(self._wire_dtype(update)).element_size(),
+                               grad_itemsize=4, sparse_available=True)
+            rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), torch.float32, steps, plan.k,
+                                             plan.exchange)], dtype=torch.int64)
+            pending.check = self._start_check(name, rows, process_set)
         return LocalHandle(tensor)
 
     def _plan(self, name: str, tensor: torch.Tensor, record: TensorRecord[torch.Tensor], world_size: int) -> TensorPlan:
@@ -259,6 +270,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         return self._exchange(plan.exchange)(request)
 
     def _after_load(self) -> None:
+        self._held_verified.clear()
         if getattr(self, "_sparse_allreduce", None) is not None:
             self._sparse_allreduce.abandon_in_flight()
 
@@ -286,10 +298,14 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         route: Optional[str] = None,
     ) -> "AgreementCheck":
         """Start the fingerprint allgather of this tensor's first step (core.consistency)."""
-        from horovod.torch.mpi_ops import allgather_async, synchronize
-
         rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, k, route)],
                             dtype=torch.int64)
+        return self._start_check(name, rows, process_set)
+
+    @staticmethod
+    def _start_check(name: str, rows: torch.Tensor, process_set: Any) -> "AgreementCheck":
+        from horovod.torch.mpi_ops import allgather_async, synchronize
+
         return AgreementCheck(name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize)
 
     def _state_buffers(

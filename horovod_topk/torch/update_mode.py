@@ -20,6 +20,7 @@ After the step ``p.grad`` still holds this rank's own gradient: no averaged grad
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,7 +28,9 @@ import torch
 
 from ..core import PendingReduction
 from ..core.update_mode import (
+    ADAM_FAMILY,
     MOMENTS_NAME,
+    block_count,
     moments_layout,
     resolve_second_moment,
     shared_moment_hyperparameters,
@@ -39,6 +42,8 @@ __all__ = ["UpdateStep", "LocalHandle", "FLAG_NAME", "adapt_broadcast_optimizer_
 
 #: The name of synchronize()'s non-finite agreement (a one-element allreduce).
 FLAG_NAME = "topk.update.nonfinite"
+#: What torch.optim.Adam/AdamW keep per parameter (without amsgrad): a state update mode adopts.
+_ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
 class LocalHandle:
@@ -81,21 +86,30 @@ class UpdateStep:
         self._skip = False
         #: Steps every rank skipped because some rank's gradient held NaN/Inf.
         self.skipped_steps = 0
+        #: The user's class by module and name (core.update_mode.ADAM_FAMILY is keyed so).
+        self.class_name = f"{self.user_class.__module__}.{self.user_class.__qualname__}"
         #: "shared" or "local" (TopKConfig.second_moment resolved for this optimizer; refused here, before training,
         #: when "shared" was asked of an optimizer it cannot compute)
-        self.second_moment = resolve_second_moment(self.config.second_moment, self.user_class.__name__,
-                                                   optimizer.param_groups)
+        self.second_moment = resolve_second_moment(self.config.second_moment, self.class_name, optimizer.param_groups)
+        from horovod.torch.mpi_ops import Sum
+
+        if getattr(optimizer, "op", None) == Sum and self.class_name in ADAM_FAMILY:
+            raise ValueError("horovod-topk: TopKEF(target='update') with op=hvd.Sum would apply the sum of P "
+                             "normalised Adam updates (P times the step: Adam's update does not grow with the "
+                             "gradient); use op=hvd.Average")
+        self._keep_float32_state_on_load()
 
     def install(self) -> None:
         """Replace the optimizer instance's ``synchronize`` and ``step`` (its class and Horovod stay as they are)."""
         optimizer = self.optimizer
         horovod_synchronize = optimizer.synchronize  # resolves the held handles and first-step agreement checks
 
-        def synchronize() -> None:
+        def synchronize(_: Any) -> None:
             horovod_synchronize()
-            self._agree_finite()
+            if self._process_set().included():
+                self._agree_finite()
 
-        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+        def step(_: Any, closure: Optional[Callable[[], Any]] = None) -> Any:
             if closure is not None:
                 raise ValueError("horovod-topk: TopKEF(target='update') does not take a closure in step(): "
                                  "call loss.backward() before optimizer.step()")
@@ -105,22 +119,38 @@ class UpdateStep:
                                   "optimizer.synchronize(): the gradients are checked twice.", stacklevel=2)
                 optimizer.synchronize()
             optimizer._synchronized = False
+            if not self._process_set().included():  # as Horovod: a rank outside the set steps on its own
+                return self.user_class.step(optimizer)
             return self.step()
 
-        optimizer.synchronize = synchronize  # type: ignore[method-assign]
-        optimizer.step = step  # type: ignore[method-assign]
+        # bound methods (LR schedulers wrap optimizer.step.__func__), through torch's own step hooks and profiling
+        optimizer.synchronize = types.MethodType(synchronize, optimizer)  # type: ignore[method-assign]
+        optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)  # type: ignore
         optimizer.topk_update_step = self  # what the optimizer runs, for a user's (or a test's) inspection
 
-    def initialize_state(self) -> None:
-        """Give every trainable parameter its shared state (step 0, a zero second moment) where it has none, so that
-        Horovod's broadcast_optimizer_state finds update mode's keys on every rank instead of initialising Adam's
-        own with a step on zero gradients (a joining elastic worker would then hold other keys than the others,
-        and the broadcast of mismatched keys would wait forever)."""
+    def initialize_state(self) -> bool:
+        """Give every trainable parameter update mode's state -- created (step 0, a zero second moment) or adopted
+        from an Adam state -- so that Horovod's broadcast_optimizer_state finds the same keys on every rank instead
+        of initialising Adam's own with a step on zero gradients (a joining elastic worker would then hold other
+        keys than the others, and the broadcast of mismatched keys would wait forever). Returns whether this rank
+        adopted an Adam state (its first moments then go to the others too: adapt_broadcast_optimizer_state)."""
         if self.second_moment != "shared":
-            return
+            return False
+        adopted = False
         for name, p in self._entries():
-            if len(self.optimizer.state[p]) == 0:
-                self._shared_state(name, p, update_rule.block_count(p.numel(), self.config.second_moment_block))
+            adopted |= set(self.optimizer.state[p]) == _ADAM_KEYS
+            self._shared_state(name, p)
+        return adopted
+
+    def broadcast_first_moments(self, root_rank: int) -> None:
+        """Every rank's first moments become ``root_rank``'s (after root adopted a gradient-mode Adam state, where
+        the first moment is the averaged gradient's and belongs to every rank)."""
+        import horovod.torch as hvd
+
+        for name, p in self._entries():
+            moment = self._first_moment(name, p)
+            hvd.broadcast_(moment, root_rank=root_rank, name="topk.update.first_moment." + self.scope + name,
+                           process_set=self._process_set())
 
     # ---- the collectives ------------------------------------------------------------------------------------
     def _entries(self) -> List[Tuple[str, torch.nn.Parameter]]:
@@ -148,6 +178,10 @@ class UpdateStep:
 
     def _agree_finite(self) -> None:
         """Every rank learns whether any rank's gradient holds NaN/Inf; if so every rank's gradients become NaN."""
+        sparse = [name for name, p in self._entries() if p.grad is not None and p.grad.is_sparse]
+        if sparse:
+            raise ValueError(f"horovod-topk: TopKEF(target='update') needs dense gradients; {sparse} are sparse "
+                             f"(nn.Embedding(sparse=True)): pass sparse_as_dense=True to hvd.DistributedOptimizer")
         entries = [(name, p) for name, p in self._entries() if p.grad is not None and p.grad.is_floating_point()]
         counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries]
         count = torch.stack(counts).sum().reshape(1).float().cpu() if counts else torch.zeros(1)
@@ -188,38 +222,45 @@ class UpdateStep:
         first moment; None when some rank's gradient is non-finite (every rank returns None alike)."""
         block = self.config.second_moment_block
         layout = moments_layout([p.numel() for _, p in entries], block)
+        hyper = {id(group): shared_moment_hyperparameters(self.class_name, group)
+                 for group in self.optimizer.param_groups}  # once per group and step: no per-tensor host reads
+        group_of = {id(p): id(group) for group in self.optimizer.param_groups for p in group["params"]}
         device = entries[0][1].device if entries else torch.device("cpu")
         squares = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         for (offset, count), (_, p) in zip(layout.spans, entries):
-            squares[offset:offset + count] = update_rule.block_mean_squares(self._gradient(p), block)
+            _, _, _, _, weight_decay, decoupled = hyper[group_of[id(p)]]
+            gradient = self._gradient(p)
+            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
+                gradient = gradient.add(p.detach(), alpha=weight_decay)
+            squares[offset:offset + count] = update_rule.block_mean_squares(gradient, block).to(device)
         world_size = self._process_set().size()
         shared = self._allreduce_sum(squares, MOMENTS_NAME)
         self._count_bytes(entries, [4 * count for _, count in layout.spans])
         if not bool(torch.isfinite(shared).all()):  # a NaN/Inf gradient entry anywhere makes its block non-finite
             return None
         shared /= world_size
-        group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         updates = []
         for (offset, count), (name, p) in zip(layout.spans, entries):
-            lr, beta1, beta2, eps, weight_decay, decoupled = shared_moment_hyperparameters(
-                self.user_class.__name__, group_of[id(p)])
-            state = self._shared_state(name, p, count)
-            first_moment = self._first_moment(name, p)
+            lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
+            state = self._shared_state(name, p)
             state["step"] += 1
-            update_rule.update_second_moment(state["shared_exp_avg_sq"], shared[offset:offset + count], beta2)
+            update_rule.update_second_moment(state["shared_exp_avg_sq"], shared[offset:offset + count].to(p.device),
+                                             beta2)
             updates.append(update_rule.adam_update(
-                p.detach(), self._gradient(p), first_moment, state["shared_exp_avg_sq"], int(state["step"].item()),
-                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-                block=block,
+                p.detach(), self._gradient(p), self._first_moment(name, p), state["shared_exp_avg_sq"],
+                int(state["step"]), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                decoupled=decoupled, block=block,
             ))
         return updates
 
-    def _shared_state(self, name: str, p: torch.nn.Parameter, blocks: int) -> Dict[str, torch.Tensor]:
+    def _shared_state(self, name: str, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
         """What every rank holds alike, in the optimizer's state of ``p`` (so the usual rank-0 optimizer checkpoint
-        saves it): the step and the shared block second moment -- created on first use."""
+        saves it): the step (a float32 tensor on the host, as torch keeps it: read without a device sync) and the
+        shared block second moment (float32) -- created on first use, or adopted from Adam's own state."""
+        blocks = block_count(p.numel(), self.config.second_moment_block)
         state = self.optimizer.state[p]
         if "shared_exp_avg_sq" not in state:
-            if set(state) == {"step", "exp_avg", "exp_avg_sq"}:
+            if set(state) == _ADAM_KEYS:
                 self._adopt_adam_state(name, p, state)
             elif len(state) != 0:
                 raise ValueError(
@@ -233,19 +274,45 @@ class UpdateStep:
             raise ValueError(f"horovod-topk: the shared second moment of {name!r} has "
                              f"{state['shared_exp_avg_sq'].numel()} blocks, the parameter needs {blocks} "
                              f"(another second_moment_block or another model?)")
+        if state["step"].device.type != "cpu":  # fused/capturable Adam keeps it on the device
+            state["step"] = state["step"].cpu()
         return state
 
     def _adopt_adam_state(self, name: str, p: torch.nn.Parameter, state: Dict[str, torch.Tensor]) -> None:
-        """Continue from Adam's own state of ``p`` (a gradient-mode checkpoint, or the state Horovod's
-        broadcast_optimizer_state initialises with one step on zero gradients): its second moment averaged over each
-        block becomes the shared one, its first moment this rank's, its step the step. Adam's state is the same on
-        every rank wherever Horovod made or broadcast it, so the shared second moment is too."""
+        """Continue from Adam's own state of ``p`` (a gradient-mode checkpoint): its second moment averaged over
+        each block becomes the shared one, its first moment this rank's, its step the step. A gradient-mode Adam
+        state is the same on every rank (made from the averaged gradient), so the shared second moment is too;
+        loaded on one rank only, broadcast_optimizer_state sends the adopted state to the others
+        (adapt_broadcast_optimizer_state)."""
         first_moment = self._first_moment(name, p)
         if not bool(first_moment.any()):  # a record of its own (a checkpoint of update mode) takes precedence
             first_moment.copy_(state["exp_avg"].float())
         state["shared_exp_avg_sq"] = update_rule.block_means(state["exp_avg_sq"], self.config.second_moment_block)
-        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).clone()
+        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().clone()
         del state["exp_avg"], state["exp_avg_sq"]
+
+    def _keep_float32_state_on_load(self) -> None:
+        """torch's Optimizer.load_state_dict casts every state tensor but ``step`` to its parameter's dtype: a
+        float16/bfloat16 model would get a half-precision shared second moment (in bfloat16 ``v * 0.999 == v``).
+        The load's pre-hook keeps the incoming float32 values, its post-hook puts them back."""
+        kept: Dict[int, torch.Tensor] = {}
+
+        def keep(optimizer: Any, state_dict: Dict[str, Any]) -> None:
+            kept.clear()
+            for index, values in state_dict.get("state", {}).items():
+                value = values.get("shared_exp_avg_sq") if isinstance(values, dict) else None
+                if torch.is_tensor(value):
+                    kept[index] = value.float().clone()
+
+        def restore(optimizer: Any) -> None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index, value in kept.items():
+                if index < len(params) and "shared_exp_avg_sq" in optimizer.state[params[index]]:
+                    optimizer.state[params[index]]["shared_exp_avg_sq"] = value.to(params[index].device)
+            kept.clear()
+
+        self.optimizer.register_load_state_dict_pre_hook(keep)
+        self.optimizer.register_load_state_dict_post_hook(restore)
 
     def _first_moment(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         """This rank's own first moment (float32, shaped as ``p``), kept in the compressor's record of the update
@@ -321,9 +388,13 @@ def adapt_broadcast_optimizer_state() -> None:
     @functools.wraps(original)
     def broadcast_optimizer_state(optimizer: Any, root_rank: int, *args: Any, **kwargs: Any) -> Any:
         update_step = getattr(optimizer, "topk_update_step", None)
-        if update_step is not None:
-            update_step.initialize_state()
-        return original(optimizer, root_rank, *args, **kwargs)
+        if update_step is None:
+            return original(optimizer, root_rank, *args, **kwargs)
+        adopted = update_step.initialize_state()
+        result = original(optimizer, root_rank, *args, **kwargs)
+        if hvd.broadcast_object(adopted, root_rank=root_rank, name="topk.update.adopted"):
+            update_step.broadcast_first_moments(root_rank)  # root's adopted Adam first moment is everyone's
+        return result
 
     setattr(broadcast_optimizer_state, "_horovod_topk", True)
     for module in (functions, hvd, elastic_state):

@@ -21,13 +21,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ..core.update_mode import block_count
+
 __all__ = ["block_means", "block_mean_squares", "expand_blocks", "scale_by_blocks", "block_count", "adam_update",
            "update_second_moment"]
-
-
-def block_count(numel: int, block: int) -> int:
-    """How many second-moment values a tensor of ``numel`` entries shares (the last block may be short)."""
-    return -(-numel // block)
 
 
 def _split(flat: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +39,8 @@ def _per_block(flat: torch.Tensor, block: int, reduce: Callable[[torch.Tensor, i
     parts = [reduce(rows, 1)] if rows.numel() else []
     if tail.numel():
         parts.append(reduce(tail.view(1, -1), 1))
+    if not parts:  # a tensor of no entries has no blocks
+        return flat.new_zeros(0, dtype=torch.float32)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -53,12 +52,12 @@ def block_means(values: torch.Tensor, block: int) -> torch.Tensor:
 
 def block_mean_squares(grad: torch.Tensor, block: int) -> torch.Tensor:
     """The mean of ``grad**2`` over each block of ``block`` consecutive entries: what a rank contributes to the
-    shared second moment. One pass, no temporary of the gradient's size. A NaN/Inf entry makes its block's value
-    non-finite: the caller decides what that means."""
+    shared second moment. One pass in float32, no temporary of the gradient's size for a contiguous gradient. A
+    NaN/Inf entry makes its block's value non-finite: the caller decides what that means."""
     def mean_square(rows: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.linalg.vector_norm(rows, dim=dim).square_().div_(rows.shape[dim])
+        return torch.linalg.vector_norm(rows, dim=dim, dtype=torch.float32).square_().div_(rows.shape[dim])
 
-    return _per_block(grad.reshape(-1).float(), block, mean_square)
+    return _per_block(grad.reshape(-1), block, mean_square)
 
 
 def expand_blocks(values: torch.Tensor, numel: int, block: int) -> torch.Tensor:

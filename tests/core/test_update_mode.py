@@ -4,11 +4,15 @@ import pytest
 
 from horovod_topk.core import TopKConfig, fingerprint, mismatch_message
 from horovod_topk.core.update_mode import (
+    block_count,
     moments_layout,
     resolve_second_moment,
     shared_moment_hyperparameters,
     update_tensor_name,
 )
+
+
+ADAM, ADAMW = "torch.optim.adam.Adam", "torch.optim.adamw.AdamW"
 
 
 @pytest.mark.parametrize("options, fragment", [
@@ -37,17 +41,21 @@ def test_moments_layout_gives_each_tensor_its_blocks():
     layout = moments_layout([1000, 10, 256, 257], block=256)
     assert layout.spans == ((0, 4), (4, 1), (5, 1), (6, 2))
     assert layout.numel == 8
+    assert [block_count(n, 256) for n in (0, 1, 256, 257)] == [0, 1, 1, 2]
 
 
 def test_shared_second_moment_reads_adam_and_adamw_and_refuses_the_rest_by_name():
     group = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False}
-    assert shared_moment_hyperparameters("AdamW", group) == (0.01, 0.9, 0.95, 1e-8, 0.1, True)
-    assert shared_moment_hyperparameters("Adam", group)[-1] is False
+    assert shared_moment_hyperparameters(ADAMW, group) == (0.01, 0.9, 0.95, 1e-8, 0.1, True)
+    assert shared_moment_hyperparameters(ADAM, group)[-1] is False
+    assert shared_moment_hyperparameters(ADAM, dict(group, decoupled_weight_decay=True))[-1] is True
     with pytest.raises(ValueError, match="SGD.*second_moment='local'"):
-        shared_moment_hyperparameters("SGD", {"lr": 0.1})
+        shared_moment_hyperparameters("torch.optim.sgd.SGD", {"lr": 0.1})
+    with pytest.raises(ValueError, match="transformers.optimization.AdamW"):  # another library's AdamW
+        shared_moment_hyperparameters("transformers.optimization.AdamW", group)
     for option in ("amsgrad", "maximize", "differentiable"):
         with pytest.raises(ValueError, match=option):
-            shared_moment_hyperparameters("Adam", dict(group, **{option: True}))
+            shared_moment_hyperparameters(ADAM, dict(group, **{option: True}))
 
 
 def test_update_residuals_have_names_of_their_own():
@@ -69,9 +77,9 @@ def test_the_agreement_covers_the_mode_and_the_second_moment():
 
 def test_auto_shares_the_second_moment_where_it_can_compute_the_step():
     adam = [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}]
-    assert resolve_second_moment("auto", "AdamW", adam) == "shared"
-    assert resolve_second_moment("auto", "Adam", [dict(adam[0], amsgrad=True)]) == "local"
-    assert resolve_second_moment("auto", "SGD", [{"lr": 0.1}]) == "local"
-    assert resolve_second_moment("local", "Adam", adam) == "local"
+    assert resolve_second_moment("auto", ADAMW, adam) == "shared"
+    assert resolve_second_moment("auto", ADAM, [dict(adam[0], amsgrad=True)]) == "local"
+    assert resolve_second_moment("auto", "torch.optim.sgd.SGD", [{"lr": 0.1}]) == "local"
+    assert resolve_second_moment("local", ADAM, adam) == "local"
     with pytest.raises(ValueError, match="Lion"):
         resolve_second_moment("shared", "Lion", [{"lr": 0.1}])

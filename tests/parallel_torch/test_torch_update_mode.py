@@ -39,12 +39,13 @@ def gathered(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return hvd.allgather(tensor.detach().unsqueeze(0).contiguous(), name="test.update." + name)
 
 
-def identical_across_ranks(params: Dict[str, torch.Tensor]) -> List[str]:
-    """Names of the parameters whose values differ between ranks (bit for bit)."""
+def identical_across_ranks(params: Dict[str, torch.Tensor], what: str = "param") -> List[str]:
+    """Names of the tensors whose values differ between ranks (bit for bit). ``what`` keeps the collectives' names
+    apart for tensors of other shapes under the same names (Horovod caches a name's shape)."""
     out = []
     for name, value in params.items():
         bits = value.view(torch.int16) if value.dtype == torch.bfloat16 else value  # Horovod gathers no bfloat16
-        every = gathered(bits, "same." + name)
+        every = gathered(bits, f"same.{what}.{name}")
         if not all(torch.equal(every[0], every[r]) for r in range(1, every.shape[0])):
             out.append(name)
     return out
@@ -75,14 +76,23 @@ def test_process_set_of_one_rank_steps_on_its_own_gradient_alone():
     assert_same_params(ours, alone)
 
 
+FACTORIES = {
+    "adam": (ADAM, 0.0, False),
+    "adamw": (ADAMW, 0.1, True),
+    "adam_l2": (lambda params: torch.optim.Adam(params, lr=0.01, weight_decay=0.1), 0.1, False),
+    "adam_decoupled": (lambda params: torch.optim.Adam(params, lr=0.01, weight_decay=0.1,
+                                                       decoupled_weight_decay=True), 0.1, True),
+}
+
+
 @pytest.mark.parametrize("block", [1, 4, 256])
-@pytest.mark.parametrize("factory", ["adam", "adamw"])
+@pytest.mark.parametrize("factory", list(FACTORIES))
 def test_shared_second_moment_first_step_matches_an_independent_reference(block, factory):
     """Step 1 of Adam from a fresh state: m/(1 - b1) = g_i and v/(1 - b2) = s, the ranks' mean of their squared
     gradients averaged over each block; so the averaged update is lr * mean_i(g_i) / (sqrt(s) + eps) (+ AdamW's
-    decay lr * wd * p)."""
-    lr, eps, wd = 0.01, 1e-8, (0.1 if factory == "adamw" else 0.0)
-    make = ADAM if factory == "adam" else ADAMW
+    decay lr * wd * p). Adam's L2 decay joins the gradient, in both moments: g_i + wd * p."""
+    lr, eps = 0.01, 1e-8
+    make, wd, decoupled = FACTORIES[factory]
     grads: Dict[str, torch.Tensor] = {}
 
     def capture(model: nn.Module) -> None:
@@ -94,10 +104,13 @@ def test_shared_second_moment_first_step_matches_an_independent_reference(block,
                  on_synchronized=capture)
     for name, p0 in initial.items():
         every = gathered(grads[name], "grad." + name).double()  # (ranks, *shape)
+        if not decoupled:
+            every = every + wd * p0.double()
         mean_grad = every.mean(0).reshape(-1)
         squares = every.square().mean(0).reshape(-1)
         s = torch.cat([chunk.mean().expand(len(chunk)) for chunk in squares.split(block)])
-        expected = p0.double().reshape(-1) - lr * mean_grad / (s.sqrt() + eps) - lr * wd * p0.double().reshape(-1)
+        decay = lr * wd * p0.double().reshape(-1) if decoupled else 0.0
+        expected = p0.double().reshape(-1) - lr * mean_grad / (s.sqrt() + eps) - decay
         torch.testing.assert_close(ours[name].double().reshape(-1), expected, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
 
@@ -234,13 +247,15 @@ def test_amp_grad_scaler_skips_the_same_step_on_every_rank():
     assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
 
 
-def test_checkpoint_resumes_exactly():
-    """Each rank saves its own model, optimizer state (its first moment is its own) and residuals; a new
-    model/optimizer/compressor loading them continues bit for bit as the uninterrupted run."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checkpoint_resumes_exactly(dtype):
+    """Each rank saves its own model, optimizer state and TopKEF state (its residuals and first moments); a new
+    model/optimizer/compressor loading them continues bit for bit as the uninterrupted run -- bfloat16 parameters
+    too (the shared second moment stays float32 through the optimizer's load)."""
 
     def run(steps: range, state=None):
         torch.manual_seed(0)
-        model = Net()
+        model = Net().to(dtype)
         compressor = TopKEF(ratio=0.05, target="update")
         opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), compression=compressor)
@@ -251,9 +266,10 @@ def test_checkpoint_resumes_exactly():
         saved = None
         for step in steps:
             opt.zero_grad()
-            x, tokens, y = batch(step)
-            nn.functional.cross_entropy(model(x, tokens, step % 2 == 0), y).backward()
+            x, tokens, y = batch(step, dtype)
+            nn.functional.cross_entropy(model(x, tokens, step % 2 == 0).float(), y).backward()
             opt.step()
+            assert all(s["shared_exp_avg_sq"].dtype == torch.float32 for s in opt.state.values())
             if step == 1:
                 import copy
 
@@ -303,3 +319,68 @@ def test_broadcast_optimizer_state_at_start_up_creates_update_modes_state():
         opt.step()
     assert all(float(s["step"]) == 3 for s in opt.state.values())
     assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
+
+
+def test_a_scheduler_on_the_distributed_optimizer_drives_the_shared_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=TopKEF(**EVERYTHING))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.0)  # lr 0 from the second step on
+    moved = []
+    for step in range(3):
+        opt.zero_grad()
+        x, tokens, y = batch(step)
+        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        scheduler.step()
+        moved.append(bool(differs({n: p.detach() for n, p in model.named_parameters()}, before)))
+    assert moved == [True, False, False]  # everything is sent at ratio 1; from the second step on lr is 0
+
+
+def test_a_gradient_mode_adam_state_loaded_on_rank_0_is_adopted_by_every_rank():
+    """The usual resume: rank 0 loads, broadcast_optimizer_state sends; Adam's second moment becomes the shared
+    one (per block), its first moment every rank's."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=TopKEF(ratio=0.05))
+    for step in range(2):
+        opt.zero_grad()
+        x, tokens, y = batch(step)
+        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+        opt.step()
+    saved = opt.state_dict()
+    model = Net()  # a new job's model (the old optimizer's hooks stay on the old one)
+    compressor = TopKEF(ratio=0.05, target="update", second_moment_block=4)
+    update = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                      named_parameters=model.named_parameters(), compression=compressor)
+    if hvd.rank() == 0:
+        update.load_state_dict(saved)
+    hvd.broadcast_optimizer_state(update, root_rank=0)
+    names = {p: n for n, p in model.named_parameters()}
+    for p, state in update.state.items():
+        assert set(state) == {"step", "shared_exp_avg_sq"} and float(state["step"]) == 2
+        first = compressor.registry.records[update_tensor_name(names[p])].momentum
+        index = next(i for i, q in enumerate(q for g in update.param_groups for q in g["params"]) if q is p)
+        torch.testing.assert_close(first.view_as(p), saved["state"][index]["exp_avg"])
+        blocks = saved["state"][index]["exp_avg_sq"].reshape(-1).split(4)
+        torch.testing.assert_close(state["shared_exp_avg_sq"], torch.stack([b.mean() for b in blocks]))
+    moments = {names[p]: s["shared_exp_avg_sq"] for p, s in update.state.items()}
+    assert identical_across_ranks(dict(sorted(moments.items())), "second_moment") == []  # one order on every rank
+    for step in range(2):
+        update.zero_grad()
+        x, tokens, y = batch(step + 2)
+        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+        update.step()
+    assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
+
+
+def test_op_sum_with_adam_and_sparse_gradients_are_refused_by_name():
+    model = Net(sparse_embedding=True)
+    with pytest.raises(ValueError, match="op=hvd.Sum"):
+        hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+                                 compression=TopKEF(target="update"), op=hvd.Sum)
+    with pytest.raises(ValueError, match="sparse_as_dense"):
+        train(TopKEF(target="update"), sparse_embedding=True, optimizer_factory=SGD, steps=1)
