@@ -38,7 +38,7 @@ TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
 EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.01-sparse_allreduce",
-                 "update0.01", "update-compact0.025", "update-local0.01"]
+                 "update0.01", "update-shared0.01", "update-compact0.025"]
 
 
 def compression_for(method: str, warmup_steps: int):
@@ -59,11 +59,11 @@ def compression_for(method: str, warmup_steps: int):
         "topk0.0267": TopKEF(ratio=0.0267),  # the entries of compact0.025's budget, at 8 bytes each (2.7x its bytes)
         # the two exchanges forced (exchange="auto" weighs bytes and collectives: docs/how-it-works.md, "Exchanges")
         "topk0.01-allgather": TopKEF(ratio=0.01, exchange="allgather"),
-        # update mode: each rank's optimizer update travels (Adam/AdamW under the shared block second moment; SGD
-        # steps on its own), at the bytes of topk0.01 and compact0.025; and with each rank's own second moment
+        # update mode: each rank's optimizer update travels (each rank's own optimizer; or Adam/AdamW under the
+        # shared block second moment), at the bytes of topk0.01 and compact0.025
         "update0.01": TopKEF(ratio=0.01, target="update"),
+        "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
         "update-compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8", target="update"),
-        "update-local0.01": TopKEF(ratio=0.01, target="update", second_moment="local"),
         "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce"),
     }[method]
 

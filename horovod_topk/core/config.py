@@ -27,10 +27,9 @@ INDEX_BITS = (32, 16)
 #: What is compressed and exchanged: each rank's gradient (the optimizer then steps on the average), or each rank's
 #: own optimizer update (core.update_mode).
 TARGETS = ("gradient", "update")
-#: Update mode's second moment: "shared" -- one per block of entries, the same on every rank (Adam/AdamW computed by
-#: horovod-topk from the user's optimizer's hyperparameters); "local" -- each rank's optimizer as it is; "auto" --
-#: shared for Adam/AdamW, local for the others (core.update_mode.resolve_second_moment).
-SECOND_MOMENTS = ("auto", "shared", "local")
+#: Update mode's second moment: "local" -- each rank's optimizer as it is; "shared" -- one per block of entries, the
+#: same on every rank (Adam/AdamW computed by horovod-topk from the user's optimizer's hyperparameters).
+SECOND_MOMENTS = ("local", "shared")
 
 #: Entries per shared second-moment value unless the user says otherwise (core.update_mode says why this size).
 DEFAULT_SECOND_MOMENT_BLOCK = 256
@@ -88,14 +87,13 @@ class TopKConfig:
             after; every rank then applies the average of the applied updates, bit-identical on every rank. For
             Adam-family optimizers, which normalise each coordinate: a coordinate sent once every L steps as a
             gradient moves ~sqrt(L) steps' worth under Adam, as an update L (core.update_mode).
-        second_moment (str): with target="update": "auto" (default) -- "shared" for torch.optim.Adam/AdamW,
-            "local" for every other optimizer. "shared" -- Adam/AdamW's step is computed by
-            horovod-topk from the optimizer's own hyperparameters, schedule and state, with one second moment per
-            block of ``second_moment_block`` entries built from every rank's squared gradients and the same on every
-            rank (the averaged update is then Adam's on the averaged first moment); one small allreduce per step.
-            "local": each rank steps its own optimizer, whatever it is: exact for optimizers linear in the gradient
-            (SGD with or without momentum); for adaptive ones, averaging updates normalised by different second
-            moments costs convergence, more as the number of ranks grows.
+        second_moment (str): with target="update": "local" (default) -- each rank steps its own optimizer,
+            whatever it is (exact for optimizers linear in the gradient, SGD with or without momentum). "shared" --
+            Adam/AdamW's step computed by horovod-topk from the optimizer's own hyperparameters, schedule and state,
+            with one second moment per block of ``second_moment_block`` entries, the mean of every rank's squared
+            gradient, the same on every rank (one small allreduce per step): the averaged update is then Adam's on
+            the averaged first moment. It keeps a third less optimizer state and steps faster; in the measured
+            screens it did not converge better than "local" (docs/update-mode.md), so it is not the default.
         second_moment_block (int): entries per shared second-moment value (target="update", second_moment="shared");
             the allreduce carries 4 bytes per block. Default 256 (0.4% of a dense float32 allreduce).
         log_every (int): telemetry (core.telemetry): every N steps, log one line through Python ``logging``
@@ -118,7 +116,7 @@ class TopKConfig:
     log_every: int = 0
     collective_latency_bytes: int = COLLECTIVE_LATENCY_BYTES
     target: str = "gradient"
-    second_moment: str = "auto"
+    second_moment: str = "local"
     second_moment_block: int = DEFAULT_SECOND_MOMENT_BLOCK
 
     def __post_init__(self) -> None:
@@ -167,7 +165,7 @@ class TopKConfig:
         if (isinstance(self.second_moment_block, bool) or not isinstance(self.second_moment_block, int)
                 or self.second_moment_block < 1):
             raise ValueError(f"second_moment_block must be a positive integer, got {self.second_moment_block!r}")
-        if self.target == "gradient" and (self.second_moment != "auto" or self.second_moment_block != DEFAULT_SECOND_MOMENT_BLOCK):
+        if self.target == "gradient" and (self.second_moment != "local" or self.second_moment_block != DEFAULT_SECOND_MOMENT_BLOCK):
             raise ValueError("second_moment and second_moment_block apply to target='update' only (with "
                              "target='gradient' the optimizer keeps its own moments of the averaged gradient)")
         if self.target == "update" and self.momentum > 0:

@@ -6,12 +6,14 @@ sqrt(L) learning rates where dense moves it L, and no rescaling of the burst cha
 *before* sparsifying does: each rank steps the optimizer on its own gradient, and the error-feedback residual
 collects the *update*, so a coordinate sent once every L steps carries L steps' worth of movement.
 
-Why the second moment is shared: the average of P updates each normalised by its own rank's second moment is not
-Adam on the averaged gradient (it costs convergence even uncompressed, and more as P grows). With one second moment
-on every rank the update is linear in each rank's first moment, and the average of the ranks' updates is Adam's
-update on the averaged first moment. It is built from every rank's squared gradient, one value per block of
-entries, so the collective that shares it carries ``numel / block`` floats: for the default block of 256, 0.4% of a
-dense float32 allreduce.
+The second moment: averaging P updates that were each normalised by their own rank's second moment is not Adam on
+the averaged gradient. With one second moment on every rank (``second_moment="shared"``) each rank's update is linear
+in its own first moment, and the average of the ranks' updates is Adam's update on the averaged first moment. It is
+built from every rank's squared gradient, one value per block of entries, so its collective carries ``numel /
+block`` floats (0.4% of a dense float32 allreduce for blocks of 256). Measured (docs/update-mode.md), that
+linearity is not what costs: a second moment made of the ranks' *own* squared gradients -- each rank's, or their
+mean, per entry or per block -- trains alike, and only one made from the square of the *averaged* gradient (a dense
+allreduce) trains better. So each rank's own optimizer (``second_moment="local"``) is the default.
 
 A rank whose gradient holds NaN/Inf would poison its own optimizer state (and then every rank's parameters through
 the exchange): when any rank has one, every rank skips the step the same way AMP's GradScaler skips one, and
@@ -125,16 +127,10 @@ def shared_moment_hyperparameters(
 
 
 def resolve_second_moment(setting: str, class_name: str, groups: Sequence[Dict[str, object]]) -> str:
-    """"shared" or "local" for TopKConfig.second_moment ``setting`` and the user's optimizer: "auto" shares the
-    second moment where horovod-topk can compute the optimizer's step (Adam/AdamW without amsgrad, maximize or
-    differentiable) and lets every other optimizer step on its own; "shared" refuses what it cannot compute."""
-    if setting == "local":
-        return "local"
-    try:
+    """TopKConfig.second_moment for the user's optimizer: "local" as it is; "shared" after checking that horovod-topk
+    can compute the optimizer's step (torch's Adam/AdamW without amsgrad, maximize or differentiable), refusing by
+    name what it cannot."""
+    if setting == "shared":
         for group in groups:
             shared_moment_hyperparameters(class_name, group)
-    except ValueError:
-        if setting == "shared":
-            raise
-        return "local"
-    return "shared"
+    return setting

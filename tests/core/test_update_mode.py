@@ -18,9 +18,10 @@ ADAM, ADAMW = "torch.optim.adam.Adam", "torch.optim.adamw.AdamW"
 @pytest.mark.parametrize("options, fragment", [
     ({"target": "updates"}, "target must be one of"),
     ({"target": "update", "second_moment": "global"}, "second_moment must be one of"),
+    ({"target": "update", "second_moment": "auto"}, "second_moment must be one of"),
     ({"target": "update", "second_moment_block": 0}, "second_moment_block must be a positive integer"),
     ({"target": "update", "second_moment_block": True}, "second_moment_block must be a positive integer"),
-    ({"second_moment": "local"}, "apply to target='update' only"),
+    ({"second_moment": "shared"}, "apply to target='update' only"),
     ({"second_moment_block": 64}, "apply to target='update' only"),
     ({"target": "update", "momentum": 0.9}, "momentum"),
     ({"target": "update", "spike_guard": 10.0}, "spike_guard"),
@@ -31,9 +32,9 @@ def test_update_mode_options_are_validated_by_name(options, fragment):
 
 
 def test_update_mode_options_round_trip_and_show_in_the_description():
-    config = TopKConfig(target="update", second_moment="local", second_moment_block=64)
+    config = TopKConfig(target="update", second_moment="shared", second_moment_block=64)
     assert TopKConfig.from_dict(config.to_dict()) == config
-    assert "target='update'" in config.describe() and "second_moment='local'" in config.describe()
+    assert "target='update'" in config.describe() and "second_moment='shared'" in config.describe()
     assert "target" not in TopKConfig().describe()
 
 
@@ -75,11 +76,12 @@ def test_the_agreement_covers_the_mode_and_the_second_moment():
     assert "second_moment_block (rank 0: 256, rank 1: 64)" in mismatch_message("w", [row(update), row(blocks)])
 
 
-def test_auto_shares_the_second_moment_where_it_can_compute_the_step():
+def test_the_shared_second_moment_is_checked_against_the_optimizer():
     adam = [{"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}]
-    assert resolve_second_moment("auto", ADAMW, adam) == "shared"
-    assert resolve_second_moment("auto", ADAM, [dict(adam[0], amsgrad=True)]) == "local"
-    assert resolve_second_moment("auto", "torch.optim.sgd.SGD", [{"lr": 0.1}]) == "local"
+    assert resolve_second_moment("shared", ADAMW, adam) == "shared"
     assert resolve_second_moment("local", ADAM, adam) == "local"
+    assert resolve_second_moment("local", "torch.optim.sgd.SGD", [{"lr": 0.1}]) == "local"
+    with pytest.raises(ValueError, match="amsgrad"):
+        resolve_second_moment("shared", ADAM, [dict(adam[0], amsgrad=True)])
     with pytest.raises(ValueError, match="Lion"):
         resolve_second_moment("shared", "Lion", [{"lr": 0.1}])

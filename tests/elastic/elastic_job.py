@@ -26,7 +26,7 @@ model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
 # "update": update mode with AdamW (shared second moment in the optimizer's state, first moments with the residuals)
 MODE = os.environ.get("ELASTIC_JOB_EXCHANGE", "auto")
 if MODE == "update":
-    compressor = TopKEF(ratio=0.02, target="update")
+    compressor = TopKEF(ratio=0.02, target="update", second_moment="shared")
     base = torch.optim.AdamW(model.parameters(), lr=0.01)
 else:
     compressor = TopKEF(ratio=0.02, exchange=MODE)

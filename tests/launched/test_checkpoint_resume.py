@@ -19,7 +19,7 @@ def _run(tmp_path, num_proc, start, stop, *, save=False, load=False, **options):
 
 @pytest.mark.parametrize("options", [{}, {"value_dtype": "float16", "warmup_steps": 4},
                                      {"exchange": "sparse_allreduce", "value_dtype": "float16"},
-                                     {"target": "update", "optimizer": "adamw"}])
+                                     {"target": "update", "optimizer": "adamw", "second_moment": "shared"}])
 def test_resume_in_new_processes_is_exact(tmp_path, options):
     straight = _run(tmp_path, 2, 0, 2 * STEPS, **options)
     _run(tmp_path, 2, 0, STEPS, save=True, **options)
@@ -53,7 +53,7 @@ def test_resume_on_another_number_of_workers_keeps_the_owed_mass(tmp_path):
 def test_update_mode_on_another_number_of_workers_keeps_the_averaged_first_moment(tmp_path):
     """Update mode's first moments are each rank's own: a new world gets their mean, which is what the averaged
     update is made of (and the owed residual mass, as in gradient mode)."""
-    options = {"target": "update", "optimizer": "adamw"}
+    options = {"target": "update", "optimizer": "adamw", "second_moment": "shared"}
     _run(tmp_path, 2, 0, STEPS, save=True, **options)
     saved = torch.load(tmp_path / "ckpt.pt")["topk"]
     (one,) = _run(tmp_path, 1, STEPS, STEPS, load=True, **options)

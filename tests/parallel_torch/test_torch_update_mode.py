@@ -57,7 +57,7 @@ def test_sgd_at_ratio_one_matches_plain_horovod(option):
     local updates is the update of the averaged gradient."""
     kwargs = {"optimizer_factory": SGD, **PARITY_OPTIONS[option]}
     plain = train(hvd.Compression.none, **kwargs)
-    compressor = TopKEF(**EVERYTHING)  # second_moment="auto": SGD steps on each rank's own gradient
+    compressor = TopKEF(**EVERYTHING)  # second_moment="local" (the default): SGD steps on each rank's own gradient
     ours = train(compressor, **kwargs)
     initial = train(hvd.Compression.none, steps=0, **kwargs)
     assert_same_params(ours, plain)
@@ -100,7 +100,7 @@ def test_shared_second_moment_first_step_matches_an_independent_reference(block,
             grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
 
     initial = train(hvd.Compression.none, steps=0)
-    ours = train(TopKEF(**EVERYTHING, second_moment_block=block), steps=1, optimizer_factory=make,
+    ours = train(TopKEF(**EVERYTHING, second_moment="shared", second_moment_block=block), steps=1, optimizer_factory=make,
                  on_synchronized=capture)
     for name, p0 in initial.items():
         every = gathered(grads[name], "grad." + name).double()  # (ranks, *shape)
@@ -131,7 +131,7 @@ def test_error_feedback_invariant_and_identical_parameters_with_adam(exchange):
     torch.manual_seed(0)
     model = Net()
     compressor = TopKEF(ratio=0.05, min_numel=0, dense_fallback=False, target="update", exchange=exchange,
-                        second_moment_block=block)
+                        second_moment="shared", second_moment_block=block)
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr, betas=betas, eps=eps),
                                    named_parameters=model.named_parameters(), compression=compressor)
     world = hvd.size()
@@ -164,7 +164,7 @@ def _residual(compressor: TopKEF, name: str, numel: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", ["float16", "bfloat16", "compact", "sparse_allreduce", "local_adamw", "clip"])
 def test_parameters_stay_bit_identical_on_every_rank(case):
-    options = dict(ratio=0.05, target="update")
+    options = dict(ratio=0.05, target="update", second_moment="shared")
     kwargs: dict = {"optimizer_factory": ADAMW, "steps": 5}
     if case in ("float16", "bfloat16"):
         kwargs["dtype"] = getattr(torch, case)
@@ -256,7 +256,7 @@ def test_checkpoint_resumes_exactly(dtype):
     def run(steps: range, state=None):
         torch.manual_seed(0)
         model = Net().to(dtype)
-        compressor = TopKEF(ratio=0.05, target="update")
+        compressor = TopKEF(ratio=0.05, target="update", second_moment="shared")
         opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), compression=compressor)
         if state is not None:
@@ -282,7 +282,7 @@ def test_checkpoint_resumes_exactly(dtype):
     assert differs(straight, resumed) == []
 
 
-def test_the_second_moment_is_shared_for_adam_and_local_for_the_rest_unless_told():
+def test_the_second_moment_is_each_ranks_own_unless_shared_is_asked_where_it_can_be_computed():
     model = Net()
 
     def mode(optimizer, **options):
@@ -291,10 +291,9 @@ def test_the_second_moment_is_shared_for_adam_and_local_for_the_rest_unless_told
         return opt.topk_update_step.second_moment
 
     params = list(model.parameters())
-    assert mode(torch.optim.AdamW(params, lr=0.1)) == "shared"
+    assert mode(torch.optim.AdamW(params, lr=0.1)) == "local"
     assert mode(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == "local"
-    assert mode(torch.optim.Adam(params, lr=0.1, amsgrad=True)) == "local"
-    assert mode(torch.optim.AdamW(params, lr=0.1), second_moment="local") == "local"
+    assert mode(torch.optim.AdamW(params, lr=0.1), second_moment="shared") == "shared"
     with pytest.raises(ValueError, match="SGD"):
         mode(torch.optim.SGD(params, lr=0.1), second_moment="shared")
     with pytest.raises(ValueError, match="amsgrad"):
@@ -307,7 +306,8 @@ def test_broadcast_optimizer_state_at_start_up_creates_update_modes_state():
     torch.manual_seed(hvd.rank())  # different initial weights: the broadcasts must make them equal
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=TopKEF(target="update"))
+                                   named_parameters=model.named_parameters(),
+                                   compression=TopKEF(target="update", second_moment="shared"))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert {tuple(sorted(s)) for s in opt.state.values()} == {("shared_exp_avg_sq", "step")}
@@ -325,7 +325,8 @@ def test_a_scheduler_on_the_distributed_optimizer_drives_the_shared_step():
     torch.manual_seed(0)
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=TopKEF(**EVERYTHING))
+                                   named_parameters=model.named_parameters(),
+                                   compression=TopKEF(**EVERYTHING, second_moment="shared"))
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.0)  # lr 0 from the second step on
     moved = []
     for step in range(3):
@@ -353,7 +354,7 @@ def test_a_gradient_mode_adam_state_loaded_on_rank_0_is_adopted_by_every_rank():
         opt.step()
     saved = opt.state_dict()
     model = Net()  # a new job's model (the old optimizer's hooks stay on the old one)
-    compressor = TopKEF(ratio=0.05, target="update", second_moment_block=4)
+    compressor = TopKEF(ratio=0.05, target="update", second_moment="shared", second_moment_block=4)
     update = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                       named_parameters=model.named_parameters(), compression=compressor)
     if hvd.rank() == 0:
