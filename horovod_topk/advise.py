@@ -275,7 +275,7 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
         else:
             notes.append(f"does not pay: TopKEF auto {_ms(auto.t_step_s)} ms per step against "
                          f"{_ms(best_dense.t_step_s)} ms for {label}")
-        notes.append("per step only: Top-K may need more steps to the same accuracy (README, Convergence)")
+        notes.append("per step only: Top-K may need more steps to the same accuracy (docs/convergence.md)")
         sparse = [r for r in auto.routes if r.route == SPARSE_ALLREDUCE]
         if sparse:
             notes.append(sparse_allreduce_note(len(sparse), workers, config.ratio))
@@ -285,7 +285,7 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
 def sparse_allreduce_note(tensors: int, workers: int, ratio: Optional[float]) -> str:
     """What a user should know when auto sends tensors through the sparse allreduce: at the same ratio it applies
     at most k entries per step where the allgather applies up to P k, which trained an Adam language model worse
-    (README, "Owners keeping more, and the same bytes on the wire"). ``ratio`` is one number for the whole model:
+    (docs/convergence.md, "The two exchanges at P = 4 and P = 8"). ``ratio`` is one number for the whole model:
     about P / 2.2 times it gives those tensors the allgather's bytes (and every other compressed tensor more too),
     capped at 1; exchange="allgather" keeps the allgather's convergence at its bytes."""
     scale = workers / 2.2
@@ -298,7 +298,7 @@ def sparse_allreduce_note(tensors: int, workers: int, ratio: Optional[float]) ->
         advice = f"about {scale:.1f}x the entries give them the allgather's bytes"
     return (f"{tensors} tensor(s) take the sparse allreduce: it applies at most k entries per step, the allgather "
             f"up to {workers}k; at the same ratio an Adam LM trained worse (+9% at P=4, +12% at P=8); {advice}, or "
-            f"exchange='allgather' keeps the allgather's steps at its bytes (README, \"Owners keeping more\")")
+            f"exchange='allgather' keeps the allgather's steps at its bytes (docs/convergence.md, \"The two exchanges at P = 4 and P = 8\")")
 
 
 def format_table(rows: Sequence[Tuple[str, Optional[Prediction], str]]) -> str:

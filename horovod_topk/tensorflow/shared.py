@@ -2,8 +2,7 @@
 
 Why: inside a ``tf.function`` each compressed tensor used to add its own copy of the selection, packing and
 decoding ops, built op by op in Python -- twice, as TensorFlow traces a step function again after a first trace
-that created variables (TopKEF's residuals). That was most of TopKEF's first-step cost (issue 13; README,
-"First-step (tracing) cost"). Tensors with the same size and options run the same ops, so :func:`call` traces that
+that created variables (TopKEF's residuals). That was most of TopKEF's first-step cost (docs/tensorflow.md). Tensors with the same size and options run the same ops, so :func:`call` traces that
 body once as a ``tf.function`` and each tensor adds one call op to the step's graph; ResNet-50's 87 compressed
 tensors have 17 distinct sizes. :func:`call_any_shape` goes further for bodies that read their sizes from their
 inputs (horovod_topk.tensorflow.steps): one trace for every size. The ops and their results are unchanged; the
