@@ -228,6 +228,7 @@ def sync_after_reset(compressor: Any, transport: Transport[Any]) -> None:
     of a rank that has state, so that step-dependent decisions (warm-up) and the cross-rank check agree, and every
     tensor is checked again. Residuals stay where they are: each rank rescales its own on its next step when it
     sees the new world size (policy.residual_world_factor), which keeps the mass it owes the model."""
+    compressor._forget_agreements()
     state = compressor.state_dict()
     mine = {name: (list(e["shape"]), int(e["steps"])) for name, e in state["tensors"].items()} or None
     source = next((s for s in transport.allgather_object(mine) if s is not None), None)

@@ -139,6 +139,10 @@ class TopKEFBase(abc.ABC, Generic[R]):
         reductions still in flight: a loaded state ends any step in progress (Horovod elastic loads the last
         commit after a failure, and the collectives of the abandoned step died with the old Horovod context)."""
 
+    def _forget_agreements(self) -> None:
+        """Framework state outside the registry that says a tensor's cross-rank check was done: forget it (after a
+        load or an elastic reset every tensor is checked again, as every record is)."""
+
     def _static_shape(self, tensor: Any) -> Tuple[Optional[int], ...]:
         return tuple(tensor.shape)
 

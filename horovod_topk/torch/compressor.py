@@ -173,21 +173,17 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         if name not in self._held_verified:  # no registry record: the update's own is keyed by parameter name
             self._held_verified.add(name)
             update = torch.empty((), dtype=torch.float32).expand(tensor.shape)  # what will travel: a float32 update
-            steps = self.registry.records[update_tensor_name(name)].steps \
-                if update_tensor_name(name) in self.registry.records else 0
-            plan = plan_tensor(name, update.numel(), True, self.config, world_size=process_set.size(), step=steps,
-                               value_itemsize=_dtype_token(self._wire_dtype(update)).element_size(),
-                               grad_itemsize=4, sparse_available=True)
-            rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), torch.float32, steps, plan.k,
-                                             plan.exchange)], dtype=torch.int64)
-            pending.check = self._start_check(name, rows, process_set)
+            record = self.registry.records.get(update_tensor_name(name))
+            step = record.steps if record is not None else 0
+            plan = self._plan(name, update, step, process_set.size())
+            pending.check = self._agreement_check(name, update, step, plan.k, process_set, plan.exchange)
         return LocalHandle(tensor)
 
-    def _plan(self, name: str, tensor: torch.Tensor, record: TensorRecord[torch.Tensor], world_size: int) -> TensorPlan:
-        """core's plan for ``tensor`` at its record's step: dense or Top-K, k, and the exchange."""
+    def _plan(self, name: str, tensor: torch.Tensor, step: int, world_size: int) -> TensorPlan:
+        """core's plan for ``tensor`` at ``step``: dense or Top-K, k, and the exchange."""
         return plan_tensor(
             name, tensor.numel(), tensor.is_floating_point(), self.config, world_size=world_size,
-            step=record.steps, value_itemsize=_dtype_token(self._wire_dtype(tensor)).element_size(),
+            step=step, value_itemsize=_dtype_token(self._wire_dtype(tensor)).element_size(),
             grad_itemsize=tensor.element_size(), sparse_available=True,
         )
 
@@ -217,13 +213,13 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
         wire_dtype = self._wire_dtype(tensor)
         record = self.registry.record(name, tuple(tensor.shape))
-        plan = self._plan(name, tensor, record, world_size)
+        plan = self._plan(name, tensor, record.steps, world_size)
         dense_nbytes = tensor.numel() * tensor.element_size()
         if self.config.spike_guard is not None and tensor.is_floating_point():
             self._guard_spike(record, tensor)
         if not record.verified:
             record.verified = True
-            pending.check = self._agreement_check(name, record, tensor, plan.k, process_set, plan.exchange)
+            pending.check = self._agreement_check(name, tensor, record.steps, plan.k, process_set, plan.exchange)
         self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
@@ -269,8 +265,11 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         record.exchange = plan.exchange
         return self._exchange(plan.exchange)(request)
 
-    def _after_load(self) -> None:
+    def _forget_agreements(self) -> None:
         self._held_verified.clear()
+
+    def _after_load(self) -> None:
+        self._forget_agreements()
         if getattr(self, "_sparse_allreduce", None) is not None:
             self._sparse_allreduce.abandon_in_flight()
 
@@ -294,18 +293,14 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             record.guarded_steps += 1
 
     def _agreement_check(
-        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, k: Optional[int], process_set: Any,
+        self, name: str, tensor: torch.Tensor, step: int, k: Optional[int], process_set: Any,
         route: Optional[str] = None,
     ) -> "AgreementCheck":
         """Start the fingerprint allgather of this tensor's first step (core.consistency)."""
-        rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, record.steps, k, route)],
-                            dtype=torch.int64)
-        return self._start_check(name, rows, process_set)
-
-    @staticmethod
-    def _start_check(name: str, rows: torch.Tensor, process_set: Any) -> "AgreementCheck":
         from horovod.torch.mpi_ops import allgather_async, synchronize
 
+        rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, step, k, route)],
+                            dtype=torch.int64)
         return AgreementCheck(name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize)
 
     def _state_buffers(
