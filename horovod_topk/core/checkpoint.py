@@ -231,7 +231,13 @@ def sync_after_reset(compressor: Any, transport: Transport[Any]) -> None:
     compressor._forget_agreements()
     state = compressor.state_dict()
     mine = {name: (list(e["shape"]), int(e["steps"])) for name, e in state["tensors"].items()} or None
-    source = next((s for s in transport.allgather_object(mine) if s is not None), None)
+    auto = state.get("auto") if mine is not None else None
+    gathered = transport.allgather_object((mine, auto))
+    source, source_auto = next(((s, a) for s, a in gathered if s is not None), (None, None))
+    if compressor.auto is not None:  # the density of a rank with state, measured again at the new world size
+        if source_auto is not None:
+            compressor.auto.load_state_dict(source_auto)
+        compressor.auto.decide_soon()
     if source is None:
         return
     for name, (shape, steps) in source.items():

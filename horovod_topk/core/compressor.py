@@ -11,8 +11,9 @@ import abc
 import math
 import warnings
 from collections import Counter
-from typing import Any, Callable, Dict, Generic, Iterable, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Tuple, TypeVar
 
+from .autodensity import AutoDensity, Measurement
 from .config import TopKConfig
 from .pending import PendingReduction, mark
 from .registry import ErrorFeedbackRegistry
@@ -82,6 +83,8 @@ class TopKEFBase(abc.ABC, Generic[R]):
         self.scopes = ScopeTable()
         #: Reports every config.log_every steps (core.telemetry).
         self.telemetry = Telemetry(self.config.log_every, summary_writer)
+        #: With ratio="auto": the density in force and the measurements it is chosen from (core.autodensity).
+        self.auto: Optional[AutoDensity] = AutoDensity(self.config) if self.config.auto else None
 
     @classmethod
     def default(cls) -> "TopKEFBase[R]":
@@ -105,6 +108,23 @@ class TopKEFBase(abc.ABC, Generic[R]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.describe()[len('TopKConfig('):-1]})"
+
+    def _auto_tensors(self) -> List[Tuple[str, int]]:
+        """(name, entries) of every tensor this compressor reduces: what ratio="auto" predicts the step of."""
+        return [(name, record.numel) for name, record in sorted(self.registry.records.items())]
+
+    def _auto_decide(self, measurement: Measurement, rank: Optional[int] = None) -> None:
+        """Take ratio="auto"'s decision from ``measurement`` (reduced over ranks: the same everywhere). A new
+        density is logged once and every tensor's rank agreement is checked again under it."""
+        assert self.auto is not None
+        before, first = self.auto.ratio, self.auto.decisions == 0
+        choice = self.auto.decide(self._auto_tensors(), measurement)
+        if choice.ratio != before:
+            for _, record in self.registry:
+                record.verified = False
+            self._forget_agreements()
+        if (choice.ratio != before or first) and rank in (None, 0):
+            self.telemetry.logger.info(self.auto.summary_line())
 
     # ---- Horovod's compressor API --------------------------------------------------------------------------
     @default_instance_method
@@ -172,12 +192,19 @@ class TopKEFBase(abc.ABC, Generic[R]):
         self._refresh_counters()
         state = self.registry.state_dict(self._export_residual)
         state["config"] = self.config.to_dict()
+        if self.auto is not None:
+            state["auto"] = self.auto.state_dict()
         return state
 
     @default_instance_method
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. Shapes are checked when each tensor is next reduced."""
         self.registry.load_state_dict(state, self._import_residual)
+        if self.auto is not None:
+            if state.get("auto") is not None:
+                self.auto.load_state_dict(state["auto"])
+            else:  # a checkpoint of a fixed ratio: measure and decide afresh
+                self.auto = AutoDensity(self.config)
         self.telemetry.restart()
         self._after_load()
 
@@ -186,6 +213,7 @@ class TopKEFBase(abc.ABC, Generic[R]):
         """Forget all residuals and counters (for a new training run with the same compressor object)."""
         self.registry.clear()
         self.telemetry.restart()
+        self.auto = AutoDensity(self.config) if self.config.auto else None
 
     @default_instance_method
     def stats(self) -> Dict[str, Any]:
@@ -216,4 +244,5 @@ class TopKEFBase(abc.ABC, Generic[R]):
             "guarded_steps": sum(r.guarded_steps for _, r in self.registry),
             "compress_seconds": sum(r.compress_seconds for _, r in self.registry),
             "exchanges": dict(Counter(r.exchange for _, r in self.registry if r.exchange)),
+            **({"auto": self.auto.stats()} if self.auto is not None else {}),
         }

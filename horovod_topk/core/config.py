@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 from .exchange import COLLECTIVE_LATENCY_BYTES, EXCHANGES
 
-__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS", "TARGETS", "SECOND_MOMENTS"]
+__all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS", "TARGETS", "SECOND_MOMENTS",
+           "AUTO", "DEFAULT_BUDGET", "DEFAULT_AUTO_EVERY"]
 
 #: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
 #: "exact": the framework's top-k over all entries (the reference).
@@ -31,6 +32,15 @@ TARGETS = ("gradient", "update")
 #: same on every rank (Adam/AdamW computed by horovod-topk from the user's optimizer's hyperparameters).
 SECOND_MOMENTS = ("local", "shared")
 
+#: ratio="auto": the density chosen from the job's own measurements (core.autodensity).
+AUTO = "auto"
+#: With ratio="auto": the share of the step that communication (and compression) may take beyond what overlaps
+#: compute. 10%: a job pays at most a tenth of its step for a density as high as the link allows.
+DEFAULT_BUDGET = 0.1
+#: With ratio="auto": steps between decisions once the density has settled (each decision probes the link with
+#: two allreduces; after a change the next decision comes after one window, to check the prediction).
+DEFAULT_AUTO_EVERY = 200
+
 #: Entries per shared second-moment value unless the user says otherwise (core.update_mode says why this size).
 DEFAULT_SECOND_MOMENT_BLOCK = 256
 
@@ -44,8 +54,14 @@ class TopKConfig:
     """How much of each gradient to send.
 
     Args:
-        ratio (float): fraction of each compressed tensor's entries sent per step, in (0, 1]; k = ceil(ratio * N).
-            0.01 cuts the bytes handed to collectives ~50x (8 bytes per sent entry versus 4 per dense entry).
+        ratio (float or "auto"): fraction of each compressed tensor's entries sent per step, in (0, 1];
+            k = ceil(ratio * N). 0.01 cuts the bytes handed to collectives ~50x (8 bytes per sent entry versus 4
+            per dense entry). "auto": dense for the first steps while the job measures its compute and its link,
+            then the largest density (dense, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001) whose communication beyond
+            compute fits ``budget`` of the step, decided again every ``auto_every`` steps (core.autodensity).
+        budget (float): with ratio="auto", the share of the step communication and compression may take beyond
+            what overlaps compute, in (0, 1). Default 0.1.
+        auto_every (int): with ratio="auto", steps between decisions once settled. Default 200.
         k (int, optional): a fixed number of entries per tensor instead of a ratio (capped at the tensor's size).
             Fixed k keeps every rank's payload the same size, as ``ratio`` does too.
         min_numel (int): tensors with fewer elements go through Horovod's ordinary dense allreduce. Biases and
@@ -102,7 +118,7 @@ class TopKConfig:
             residual norms (one host sync on GPU every N steps). 0 (default): off.
     """
 
-    ratio: float = 0.01
+    ratio: Union[float, str] = 0.01
     k: Optional[int] = None
     min_numel: int = 1024
     selector: str = "sampled"
@@ -118,12 +134,19 @@ class TopKConfig:
     target: str = "gradient"
     second_moment: str = "local"
     second_moment_block: int = DEFAULT_SECOND_MOMENT_BLOCK
+    budget: Optional[float] = None
+    auto_every: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
-            raise ValueError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
-        if not (math.isfinite(self.ratio) and 0.0 < self.ratio <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
+        if self.ratio == AUTO:
+            self._validate_auto()
+        else:
+            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+                raise ValueError(f"ratio must be a number in (0, 1] or 'auto', got {self.ratio!r}")
+            if not (math.isfinite(self.ratio) and 0.0 < self.ratio <= 1.0):
+                raise ValueError(f"ratio must be in (0, 1] or 'auto', got {self.ratio!r}")
+            if self.budget is not None or self.auto_every is not None:
+                raise ValueError("budget and auto_every apply to ratio='auto' only (a fixed ratio sends what it says)")
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
             raise ValueError(f"k must be a positive integer (or None to use ratio), got {self.k!r}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
@@ -179,6 +202,27 @@ class TopKConfig:
                              "(index_bits=16, value_dtype='float8') travels by allgather: use exchange='allgather' "
                              "or 'auto' with it")
 
+    def _validate_auto(self) -> None:
+        """ratio="auto": fill in budget and auto_every, and refuse what would fight the chosen density."""
+        budget = DEFAULT_BUDGET if self.budget is None else self.budget
+        every = DEFAULT_AUTO_EVERY if self.auto_every is None else self.auto_every
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
+                math.isfinite(budget) and 0.0 < budget < 1.0):
+            raise ValueError(f"budget must be a share of the step in (0, 1), got {budget!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"auto_every must be a positive number of steps, got {every!r}")
+        if self.k is not None:
+            raise ValueError("ratio='auto' chooses the density itself: leave k unset")
+        if self.warmup_steps:
+            raise ValueError("ratio='auto' runs its first steps dense while it measures: leave warmup_steps at 0")
+        object.__setattr__(self, "budget", float(budget))
+        object.__setattr__(self, "auto_every", every)
+
+    @property
+    def auto(self) -> bool:
+        """Whether the density is chosen by the job's measurements (ratio="auto", core.autodensity)."""
+        return self.ratio == AUTO
+
     @property
     def compact(self) -> bool:
         """Whether the compact wire encoding (core.payload) is on: it travels by allgather only."""
@@ -196,13 +240,13 @@ class TopKConfig:
 
     def describe(self) -> str:
         """A short human-readable summary, used in error messages and logs."""
-        amount = f"k={self.k}" if self.k is not None else f"ratio={self.ratio:g}"
+        amount = (f"k={self.k}" if self.k is not None else "ratio='auto'" if self.auto else f"ratio={self.ratio:g}")
         defaults = TopKConfig()
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
             for name in ("selector", "value_dtype", "index_bits", "dense_fallback", "warmup_steps", "momentum",
                          "spike_guard", "exchange", "collective_latency_bytes", "target", "second_moment",
-                         "second_moment_block")
+                         "second_moment_block", "budget", "auto_every")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

@@ -20,14 +20,14 @@ from .exchange import DENSE, EXCHANGES
 
 __all__ = ["FINGERPRINT_LENGTH", "RankMismatch", "fingerprint", "mismatch_message", "check_name"]
 
-_VERSION = 3
+_VERSION = 4
 _MAX_DIMS = 8
 #: Element dtypes by the names both frameworks print ("float32", not "torch.float32"); others encode as -1.
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 #: The fields of a fingerprint, in order; the shape takes the last _MAX_DIMS + 1 slots (ndim, then the dims).
 _FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "index_bits", "dense_fallback", "warmup_steps",
            "momentum", "dtype", "numel", "step", "decision", "exchange", "route", "target", "second_moment",
-           "second_moment_block")
+           "second_moment_block", "budget", "auto_every")
 #: What a "route" field encodes: the exchange a tensor actually takes this step (core.exchange).
 _ROUTES = (DENSE,) + EXCHANGES
 FINGERPRINT_LENGTH = len(_FIELDS) + 1 + _MAX_DIMS
@@ -54,6 +54,14 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
+def _shown_float(field: str, value: float) -> str:
+    if value == -1.0 and field == "ratio":
+        return "'auto'"
+    if value == -1.0 and field == "budget":
+        return "None"
+    return f"{value:g}"
+
+
 def _dtype_name(dtype: object) -> str:
     return str(getattr(dtype, "name", dtype)).replace("torch.", "")
 
@@ -73,7 +81,7 @@ def fingerprint(
     dtype_name = _dtype_name(dtype)
     values = [
         _VERSION,
-        _float_bits(config.ratio),
+        _float_bits(-1.0 if config.auto else config.ratio),  # "auto" shows as such (the decision: k, route)
         -1 if config.k is None else int(config.k),
         int(config.min_numel),
         VALUE_DTYPES.index(config.value_dtype),
@@ -90,6 +98,8 @@ def fingerprint(
         TARGETS.index(config.target),
         SECOND_MOMENTS.index(config.second_moment),
         int(config.second_moment_block),
+        _float_bits(config.budget if config.budget is not None else -1.0),
+        -1 if config.auto_every is None else int(config.auto_every),
         len(dims),
     ]
     values += (dims + [-1] * _MAX_DIMS)[:_MAX_DIMS]
@@ -102,12 +112,14 @@ def _readable(rows: Sequence[Sequence[int]]) -> List[Tuple[str, List[str]]]:
     out: List[Tuple[str, List[str]]] = []
     for i, field in enumerate(_FIELDS):
         column = [int(r[i]) for r in rows]
-        if field in ("ratio", "momentum"):
-            shown = [f"{_bits_float(v):g}" for v in column]
+        if field in ("ratio", "momentum", "budget"):
+            shown = [_shown_float(field, _bits_float(v)) for v in column]
         elif field == "exchange":
             shown = [repr(EXCHANGES[v]) if 0 <= v < len(EXCHANGES) else "?" for v in column]
         elif field == "route":
             shown = [_ROUTES[v] if 0 <= v < len(_ROUTES) else "unknown" for v in column]
+        elif field == "auto_every":
+            shown = ["None" if v < 0 else str(v) for v in column]
         elif field == "target":
             shown = [repr(TARGETS[v]) if 0 <= v < len(TARGETS) else "?" for v in column]
         elif field == "second_moment":

@@ -82,6 +82,7 @@ __all__ = [
     "Prediction",
     "route_tensors",
     "comm_time",
+    "collectives_per_step",
     "step_time",
     "predict",
     "with_exchange",
@@ -212,7 +213,7 @@ def route_tensors(
     return routes
 
 
-def _collectives(routes: Iterable[TensorRoute], method: str, world_size: int, grad_itemsize: int,
+def collectives_per_step(routes: Iterable[TensorRoute], method: str, world_size: int, grad_itemsize: int,
                  link: Link) -> int:
     """Collectives one step launches (see the module docstring); 0 on one worker."""
     if world_size <= 1:
@@ -262,7 +263,7 @@ def predict(
     routes = route_tensors(method, tensors, world_size, config=config, grad_itemsize=grad_itemsize,
                            sparse_available=sparse_available)
     nbytes = sum(r.nbytes for r in routes)
-    collectives = _collectives(routes, method, world_size, grad_itemsize, link)
+    collectives = collectives_per_step(routes, method, world_size, grad_itemsize, link)
     t_comm = comm_time(nbytes, collectives, link)
     t_compress = t_compress_s if method == "topk" else 0.0
     t_step = step_time(t_compute_s, t_comm, overlap, t_compress)

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
+from ..core.autodensity import AUTO_TENSORFLOW_REFUSAL
 from ..core.policy import spike_guard_scale, warmup_schedule
 
 from ..core import (
@@ -74,6 +75,8 @@ class TopKEF(TopKEFBase[Any]):
         if "summary_writer" in kwargs:
             kwargs["summary_writer"] = adapt_writer(kwargs["summary_writer"])
         super().__init__(*args, **kwargs)
+        if self.config.auto:
+            raise ValueError(AUTO_TENSORFLOW_REFUSAL)
         #: The graph side of log_every (None when off: nothing is added to the graph).
         self._telemetry: Optional[GraphTelemetry] = GraphTelemetry(self) if self.config.log_every else None
         #: Each tensor's reduction op ("average"/"sum") as traced: what an elastic reset rescales by (elastic.py).

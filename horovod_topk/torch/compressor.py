@@ -31,7 +31,7 @@ from ..core import (
 )
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
 from ..core.update_mode import update_tensor_name
-from . import encoding, ops
+from . import auto_density, encoding, ops
 from .exchange import ExchangeRequest
 from .selection import Backend, backend_for, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
@@ -180,9 +180,15 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         return LocalHandle(tensor)
 
     def _plan(self, name: str, tensor: torch.Tensor, step: int, world_size: int) -> TensorPlan:
-        """core's plan for ``tensor`` at ``step``: dense or Top-K, k, and the exchange."""
+        """core's plan for ``tensor`` at ``step``: dense or Top-K, k, and the exchange (with ratio="auto", under
+        the density in force)."""
+        config = self.config
+        if self.auto is not None:
+            config = self.auto.effective_config()
+            if config is None:
+                return TensorPlan(tensor.numel(), None, "ratio='auto': dense", "dense")
         return plan_tensor(
-            name, tensor.numel(), tensor.is_floating_point(), self.config, world_size=world_size,
+            name, tensor.numel(), tensor.is_floating_point(), config, world_size=world_size,
             step=step, value_itemsize=_dtype_token(self._wire_dtype(tensor)).element_size(),
             grad_itemsize=tensor.element_size(), sparse_available=True,
         )
@@ -213,6 +219,8 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
         wire_dtype = self._wire_dtype(tensor)
         record = self.registry.record(name, tuple(tensor.shape))
+        if self.auto is not None:
+            self._auto_begin(record.steps, tensor, process_set)
         plan = self._plan(name, tensor, record.steps, world_size)
         dense_nbytes = tensor.numel() * tensor.element_size()
         if self.config.spike_guard is not None and tensor.is_floating_point():
@@ -259,11 +267,24 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         if layout.compact:
             indices, values = ops.unpack(payload, 1, plain, select_dtype)
             payload = encoding.encode(indices[0], values[0], residual, layout)
-        record.compress_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        record.compress_seconds += elapsed
+        if self.auto is not None:
+            self.auto.compressed(elapsed)
         request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
                                   process_set, backend, residual, record)
         record.exchange = plan.exchange
         return self._exchange(plan.exchange)(request)
+
+    def _auto_begin(self, step: int, tensor: torch.Tensor, process_set: Any) -> None:
+        """ratio="auto": at the first tensor of a step whose decision is due, measure (torch.auto_density) and
+        decide, before this tensor is planned; every rank reaches the same step's first tensor."""
+        assert self.auto is not None
+        if not self.auto.begin(step, time.perf_counter()):
+            return
+        measurement = auto_density.measure(self.auto, self._auto_tensors(), process_set, tensor.device,
+                                           self.config.selector)
+        self._auto_decide(measurement, process_set.rank())
 
     def _forget_agreements(self) -> None:
         self._held_verified.clear()

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core import group_member_name, pending_of, refuse_unsupported_op
+from .auto_density import install_wait_timer
 from .compressor import TopKEF, TopKHandle
 from .sparse_allreduce import SparseAllreduceHandle
 from .update_mode import LocalHandle, UpdateStep, adapt_broadcast_optimizer_state
@@ -229,6 +230,8 @@ def install() -> None:
         distributed = horovod_distributed_optimizer(*bound.args, **bound.kwargs)
         if compressor.config.target == "update":  # the step exchanges updates (torch.update_mode)
             UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize).install()
+        elif compressor.auto is not None:  # ratio="auto" measures what the step waits for its gradients
+            install_wait_timer(distributed, compressor.auto)
         return distributed
 
     adapt_broadcast_optimizer_state()

@@ -20,6 +20,7 @@ After the step ``p.grad`` still holds this rank's own gradient: no averaged grad
 from __future__ import annotations
 
 import functools
+import time
 import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -365,12 +366,15 @@ class UpdateStep:
                 record = self.compressor.registry.record(key, tuple(update.shape))
                 record.bytes_dense -= update.numel() * (update.element_size() - p.element_size())
             started.append((p, pending, handle))
+        waiting = time.perf_counter()
         with torch.no_grad():
             for p, pending, handle in started:
                 if pending.check is not None:
                     pending.check()
                 applied = handle() if callable(handle) else self._wait(handle)
                 p.sub_(applied.view_as(p).to(p.dtype))
+        if self.compressor.auto is not None:  # ratio="auto" measures what the step waits for the updates
+            self.compressor.auto.waited(time.perf_counter() - waiting)
 
 
 def adapt_broadcast_optimizer_state() -> None:

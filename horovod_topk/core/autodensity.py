@@ -1,0 +1,394 @@
+"""ratio="auto": the density chosen from what this job measures, so that compression pays on any link.
+
+A fixed ratio is wrong both ways: over a fast link a dense allreduce hides behind backward and Top-K only adds
+selection time and collectives; over a slow one ratio 0.01 may compress far more than the link needs, and every
+entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)`` the compressor:
+
+1. runs the first steps dense and measures, on every rank, each step's period, the time it waited for its
+   collectives and the time it spent compressing; compute = period - wait - compress;
+2. at a decision step (the same step on every rank), probes the link with two synchronous allreduces (a tiny one:
+   the latency of one collective; a large one: the rate), and reduces everything over ranks (max of each column,
+   rows gathered so every rank computes the same numbers);
+3. predicts the step time of dense and of every density of DENSITIES with core.costmodel's per-tensor routes
+   and bytes (the same plan_tensor the compressor executes) and takes **the largest density whose communication
+   beyond compute fits the budget** (exposed <= budget x step), dense when dense fits, else the densest within
+   the budget of the fastest; never one predicted slower than dense;
+4. decides again every ``auto_every`` steps (and soon after every change, to check the prediction against the
+   measured step), changing its mind only with hysteresis.
+
+Prediction, per step::
+
+    T(x)    = compute + compress(x) + max(0, comm(x) - hidden) + offset     (dense: no compress, no offset)
+    comm    = bytes(x) / rate + collectives(x) x latency      (core.costmodel, the probed link)
+    compute = period - wait of the last dense window (per rank, max over ranks)
+    hidden  = comm(dense) - measured exposure of that window: what backward hides (negative when dense's
+              collectives ran slower than the probes predict), so that T(dense) is the step measured
+    offset  = measured - predicted step of the last sparse window: what compressing costs beyond its selection
+              and its bytes (more collectives, their cycles, CPU taken from backward), the same for every density
+
+Everything here is a pure function of numbers every rank holds after the reduction, so every rank takes the same
+decision at the same step; the compressor re-runs its rank agreement check after each change.
+Standard library only, like the rest of core.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .config import TopKConfig
+from .costmodel import Link, collectives_per_step, comm_time, route_tensors
+from .exchange import DENSE
+
+__all__ = [
+    "DENSITIES",
+    "HYSTERESIS",
+    "WINDOW_STEPS",
+    "SETTLE_STEPS",
+    "Measurement",
+    "Choice",
+    "link_from_probes",
+    "predict_steps",
+    "choose_density",
+    "AutoDensity",
+    "AUTO_TENSORFLOW_REFUSAL",
+]
+
+#: ratio="auto" changes k, hence the payload shapes a tf.function traced; TensorFlow would retrace at each change.
+AUTO_TENSORFLOW_REFUSAL = (
+    "horovod-topk: ratio='auto' is available in PyTorch only: in TensorFlow a payload's size is fixed when the step "
+    "is traced. Pass a fixed ratio (python -m horovod_topk.advise predicts one for your link)."
+)
+
+#: The densities auto chooses among, densest first (dense itself is the candidate None).
+DENSITIES = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+#: A change needs a 25% margin: the step predicted this much faster, or the budget missed (or met) by this much.
+HYSTERESIS = 0.25
+#: A denser density (dense included) predicted this much faster than the current one is taken at once: sending
+#: more costs no time then, and compressing less helps convergence.
+FASTER = 0.05
+#: Steps measured before a decision (their median counts, so one slow step does not decide).
+WINDOW_STEPS = 10
+#: Steps not measured after a start or a decision: the decision step runs the probes, the next one the rank
+#: agreement checks and new buffers.
+SETTLE_STEPS = 2
+#: Columns of one rank's measurement row (reduced with max over ranks).
+COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the job measured, reduced over ranks (max of each column): the slowest rank's compute decides.
+
+    ``large_nbytes`` is what one rank moved in the large probe (a ring allreduce moves 2 (P-1)/P of it).
+    """
+
+    period_s: float
+    compute_s: float
+    compress_s: float
+    latency_s: float
+    large_s: float
+    large_nbytes: float
+    select_s_per_entry: float
+    world_size: int
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[float]], large_nbytes: float, world_size: int) -> "Measurement":
+        if not rows or any(len(r) != len(COLUMNS) for r in rows):
+            raise ValueError(f"measurement rows must have {len(COLUMNS)} columns ({', '.join(COLUMNS)})")
+        top = [max(float(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        return cls(*top[:5], large_nbytes=large_nbytes, select_s_per_entry=top[5], world_size=world_size)
+
+    @property
+    def exposed_s(self) -> float:
+        """What communication cost beyond compute in the measured window (wait + compress)."""
+        return max(0.0, self.period_s - self.compute_s)
+
+    def link(self) -> Link:
+        """The probed link: latency of one collective, and the rate the large probe got beyond that latency
+        (already the effective rate: efficiency 1)."""
+        transfer = max(self.large_s - self.latency_s, 1e-9)
+        rate_bps = max(self.large_nbytes * 8.0 / transfer, 1e3)
+        return Link(bandwidth_bps=rate_bps, efficiency=1.0, latency_s=max(self.latency_s, 0.0))
+
+
+def link_from_probes(small_s: float, large_s: float, large_nbytes: float) -> Link:
+    """The link two probe times describe (see Measurement.link)."""
+    m = Measurement(0.0, 0.0, 0.0, small_s, large_s, large_nbytes, 0.0, 2)
+    return m.link()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One decision: ``ratio`` (None: dense), why, and the predicted step time of every candidate."""
+
+    ratio: Optional[float]
+    reason: str
+    predicted_s: Dict[str, float]
+    exposed_s: Dict[str, float]
+
+    @property
+    def label(self) -> str:
+        return label(self.ratio)
+
+
+def label(ratio: Optional[float]) -> str:
+    return "dense" if ratio is None else f"{ratio:g}"
+
+
+def predict_steps(
+    tensors: Sequence[Tuple[str, int]],
+    config: TopKConfig,
+    m: Measurement,
+    *,
+    compute_s: float,
+    hidden_s: float,
+    offset_s: float,
+    grad_itemsize: int = 4,
+) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, int]]:
+    """(predicted step time, predicted exposed time, entries compressed) per candidate label ("dense", "fp16",
+    and each density of DENSITIES) from the compute of the last dense window and the probed link (module
+    docstring). A negative ``hidden_s`` is dense's communication measured slower than the probes predict."""
+    link = m.link()
+    world_size = m.world_size
+    steps: Dict[str, float] = {}
+    exposed: Dict[str, float] = {}
+    compressed: Dict[str, int] = {}
+    for method in ("dense", "fp16"):
+        routes = route_tensors(method, tensors, world_size, grad_itemsize=grad_itemsize)
+        t_comm = comm_time(sum(r.nbytes for r in routes), collectives_per_step(routes, method, world_size,
+                                                                                grad_itemsize, link), link)
+        exposed[method] = max(0.0, t_comm - hidden_s)
+        steps[method] = compute_s + exposed[method]
+        compressed[method] = 0
+    for ratio in DENSITIES:
+        cfg = replace(config, ratio=ratio, budget=None, auto_every=None)
+        routes = route_tensors("topk", tensors, world_size, config=cfg, grad_itemsize=grad_itemsize)
+        t_comm = comm_time(sum(r.nbytes for r in routes), collectives_per_step(routes, "topk", world_size,
+                                                                                grad_itemsize, link), link)
+        entries = sum(r.numel for r in routes if r.route != DENSE)
+        t_compress = m.select_s_per_entry * entries
+        key = label(ratio)
+        exposed[key] = max(0.0, t_compress + max(0.0, t_comm - max(hidden_s, 0.0)) + (offset_s if entries else 0.0))
+        steps[key] = compute_s + exposed[key]
+        compressed[key] = entries
+    return steps, exposed, compressed
+
+
+def _fits(key: str, steps: Mapping[str, float], exposed: Mapping[str, float], budget: float,
+          margin: float = 1.0) -> bool:
+    return exposed[key] <= budget * steps[key] * margin + 1e-12
+
+
+def choose_density(
+    tensors: Sequence[Tuple[str, int]],
+    config: TopKConfig,
+    m: Measurement,
+    *,
+    current: Optional[float],
+    first: bool,
+    compute_s: Optional[float] = None,
+    hidden_s: float = 0.0,
+    offset_s: float = 0.0,
+    grad_itemsize: int = 4,
+) -> Choice:
+    """The density for the next steps (None: dense). Pure: every rank computes it from the same numbers.
+
+    The largest density (dense first) whose exposed communication fits ``config.budget`` of the step; if none
+    fits, the densest whose step is within the budget of the fastest one (entries not sent cost convergence: a
+    density is worth taking only for time it saves); never one predicted slower than dense. Against ``current``
+    (unless ``first``): a denser choice is taken if it is predicted FASTER faster or fits the budget with HYSTERESIS
+    to spare, a sparser one only if ``current`` misses the budget by HYSTERESIS or is predicted HYSTERESIS slower.
+    """
+    budget = float(config.budget if config.budget is not None else 0.0)
+    steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
+                                      hidden_s=hidden_s, offset_s=offset_s, grad_itemsize=grad_itemsize)
+    if m.world_size <= 1:
+        return Choice(None, "one worker: nothing travels", steps, exposed)
+    order: List[Optional[float]] = [None, *DENSITIES]
+    fitting = [r for r in order if _fits(label(r), steps, exposed, budget)]
+    if fitting:
+        best = fitting[0]
+        why = "dense fits the budget" if best is None else "the largest density that fits the budget"
+    else:  # compress no more than the link needs: the densest step within the budget of the fastest one
+        fastest = min(steps[label(r)] for r in order)
+        best = next(r for r in order if steps[label(r)] <= fastest * (1 + budget) + 1e-12)
+        why = "nothing fits the budget: the densest within the budget of the fastest"
+    if steps[label(best)] > steps["dense"]:
+        best, why = None, "no density is predicted faster than dense"
+    if first or best == current:
+        return Choice(best, why, steps, exposed)
+    cur = label(current)
+    position = order.index
+    if position(best) < position(current):  # denser than now: with room to spare, or faster than now
+        if steps[cur] > steps[label(best)] * (1 + FASTER):
+            return Choice(best, why + f" (the current density is predicted slower than {label(best)})", steps,
+                          exposed)
+        denser = [r for r in order[:position(current)] if _fits(label(r), steps, exposed, budget, 1 / (1 + HYSTERESIS))
+                  and steps[label(r)] <= steps["dense"]]
+        if denser:
+            return Choice(denser[0], "the link has room for a denser payload", steps, exposed)
+        return Choice(current, f"kept (hysteresis: {label(best)} does not fit with {HYSTERESIS:.0%} to spare)",
+                      steps, exposed)
+    misses = not _fits(cur, steps, exposed, budget, 1 + HYSTERESIS)
+    slower = steps[cur] > steps[label(best)] * (1 + HYSTERESIS)
+    if misses or slower:
+        return Choice(best, why + (" (the current density misses it)" if misses else " (the current one is slower)"),
+                      steps, exposed)
+    return Choice(current, f"kept (hysteresis: {label(best)} is not {HYSTERESIS:.0%} better)", steps, exposed)
+
+
+@dataclass
+class AutoDensity:
+    """The state of ratio="auto" on one rank: the density in force, the measurement window, the schedule of
+    decisions and what each decided. What persists (state_dict) is what every rank holds alike."""
+
+    config: TopKConfig
+    #: The density in force (None: dense). Dense until the first decision.
+    ratio: Optional[float] = None
+    #: Steps begun since construction or load (the global step of this compressor).
+    step: int = -1
+    #: The step at which the next decision is taken (the first: after SETTLE_STEPS + WINDOW_STEPS dense steps).
+    next_decision: int = SETTLE_STEPS + WINDOW_STEPS
+    #: Compute per step (period - wait) and the comm hidden behind it (negative: dense measured slower than the
+    #: probes predict), both from the last dense window; and the sparse offset, from the last sparse window.
+    #: Compute is not taken from sparse windows: what compression costs beyond its selection shows up there.
+    compute_s: float = 0.0
+    hidden_s: float = 0.0
+    offset_s: float = 0.0
+    decisions: int = 0
+    changes: int = 0
+    last: Dict[str, Any] = field(default_factory=dict)
+    _measure_from: int = SETTLE_STEPS
+    _started: Optional[float] = None
+    _wait: float = 0.0
+    _compress: float = 0.0
+    _samples: List[Tuple[float, float, float]] = field(default_factory=list)
+
+    # ---- per step --------------------------------------------------------------------------------------------
+    def begin(self, step: int, now: float) -> bool:
+        """A tensor of global step ``step`` arrived at ``now``; True when it is the first of a new step and a
+        decision is due before it is planned."""
+        if step <= self.step:
+            return False
+        if self._started is not None and self.step >= self._measure_from:
+            period = now - self._started
+            self._samples.append((period, self._wait, self._compress))
+        self.step, self._started, self._wait, self._compress = step, now, 0.0, 0.0
+        return step >= self.next_decision
+
+    def waited(self, seconds: float) -> None:
+        """Time this rank spent waiting for collectives in the current step."""
+        self._wait += seconds
+
+    def compressed(self, seconds: float) -> None:
+        """Time this rank spent compressing in the current step."""
+        self._compress += seconds
+
+    def local_row(self, latency_s: float, large_s: float, select_s_per_entry: float) -> List[float]:
+        """This rank's row of COLUMNS: medians over the window, and the probes just run."""
+        samples = self._samples[-max(WINDOW_STEPS, 1):] or [(0.0, 0.0, 0.0)]
+        period = statistics.median(s[0] for s in samples)
+        compress = statistics.median(s[2] for s in samples)
+        compute = statistics.median(max(0.0, s[0] - s[1] - s[2]) for s in samples)
+        return [period, compute, compress, latency_s, large_s, select_s_per_entry]
+
+    def window_was_dense(self) -> bool:
+        return self.ratio is None
+
+    # ---- decisions -------------------------------------------------------------------------------------------
+    def decide(self, tensors: Sequence[Tuple[str, int]], m: Measurement, grad_itemsize: int = 4) -> Choice:
+        """Take the decision due at this step from the reduced measurement ``m`` (the same on every rank)."""
+        first = self.decisions == 0
+        if self.ratio is None:  # a dense window: compute, and what backward hid of dense's communication
+            self.compute_s = m.compute_s
+            raw, _, _ = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
+                                      grad_itemsize=grad_itemsize)
+            self.hidden_s = raw["dense"] - m.exposed_s
+        else:  # a sparse window: the selection's measured cost, and what the model missed at this density
+            _, _, entries = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
+                                          grad_itemsize=grad_itemsize)
+            if entries[label(self.ratio)] and m.compress_s > 0:
+                m = replace(m, select_s_per_entry=m.compress_s / entries[label(self.ratio)])
+            before, _, _ = predict_steps(tensors, self.config, m, compute_s=self.compute_s, hidden_s=self.hidden_s,
+                                         offset_s=0.0, grad_itemsize=grad_itemsize)
+            self.offset_s = m.period_s - before[label(self.ratio)]
+        choice = choose_density(tensors, self.config, m, current=self.ratio, first=first, compute_s=self.compute_s,
+                                hidden_s=self.hidden_s, offset_s=self.offset_s, grad_itemsize=grad_itemsize)
+        changed = first or choice.ratio != self.ratio
+        self.decisions += 1
+        self.changes += int(choice.ratio != self.ratio)
+        self.ratio = choice.ratio
+        link = m.link()
+        self.last = {
+            "step": self.step,
+            "ratio": self.ratio,
+            "reason": choice.reason,
+            "measured_step_s": m.period_s,
+            "compute_s": self.compute_s,
+            "bandwidth_bps": link.bandwidth_bps,
+            "latency_s": link.latency_s,
+            "hidden_s": self.hidden_s,
+            "offset_s": self.offset_s,
+            "predicted_s": dict(choice.predicted_s),
+            "world_size": m.world_size,
+        }
+        self.next_decision = self.step + (SETTLE_STEPS + WINDOW_STEPS if changed else self.config.auto_every)
+        self.restart_window()
+        return choice
+
+    def restart_window(self) -> None:
+        self._samples.clear()
+        self._measure_from = self.step + SETTLE_STEPS
+        self._started = None
+
+    def decide_soon(self) -> None:
+        """Measure again and decide after a fresh window (a load, or workers joined or left)."""
+        self.next_decision = self.step + 1 + SETTLE_STEPS + WINDOW_STEPS
+        self._samples.clear()
+        self._measure_from = self.step + 1 + SETTLE_STEPS
+        self._started = None
+
+    def effective_config(self) -> Optional[TopKConfig]:
+        """The configuration the compressor plans with now; None while dense."""
+        if self.ratio is None:
+            return None
+        return replace(self.config, ratio=self.ratio, budget=None, auto_every=None)
+
+    def summary_line(self) -> str:
+        """The one log line of a decision that changed the density."""
+        last = self.last
+        predicted = last.get("predicted_s", {})
+        shown = ", ".join(f"{key} {predicted[key] * 1e3:.0f} ms" for key in ("dense", "fp16", label(self.ratio))
+                          if key in predicted)
+        return (f"horovod-topk auto: step {last.get('step')}: link {last.get('bandwidth_bps', 0) / 1e6:.1f} Mbit/s, "
+                f"latency {last.get('latency_s', 0) * 1e3:.2f} ms, compute {last.get('compute_s', 0) * 1e3:.0f} ms, "
+                f"measured step {last.get('measured_step_s', 0) * 1e3:.0f} ms; predicted {shown}; "
+                f"-> {'dense' if self.ratio is None else f'ratio {self.ratio:g}'} ({last.get('reason')}; budget "
+                f"{self.config.budget:.0%})")
+
+    # ---- state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"ratio": self.ratio, "step": self.step, "next_decision": self.next_decision,
+                "compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s, "decisions": self.decisions,
+                "changes": self.changes}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        ratio = state.get("ratio")
+        if ratio is not None and ratio not in DENSITIES:
+            raise ValueError(f"horovod-topk: the saved auto density {ratio!r} is not one of {DENSITIES}")
+        self.ratio = ratio
+        self.step = int(state.get("step", -1))
+        self.next_decision = int(state.get("next_decision", self.step + 1))
+        self.compute_s = float(state.get("compute_s", 0.0))
+        self.hidden_s = float(state.get("hidden_s", 0.0))
+        self.offset_s = float(state.get("offset_s", 0.0))
+        self.decisions = int(state.get("decisions", 0))
+        self.changes = int(state.get("changes", 0))
+        self.restart_window()
+        self._measure_from = self.step + 1 + SETTLE_STEPS
+
+    def stats(self) -> Dict[str, Any]:
+        return {"ratio": self.ratio, "decisions": self.decisions, "changes": self.changes,
+                "next_decision": self.next_decision, "last": dict(self.last)}

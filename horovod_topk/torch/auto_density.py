@@ -1,0 +1,104 @@
+"""ratio="auto" in PyTorch: the measurements core.autodensity decides from, taken with Horovod's collectives.
+
+Three things only a framework can do: time the link (two synchronous allreduces of known sizes), time one
+selection on this device, and gather every rank's measurement row. They run at a decision step, from the first
+tensor of that step to reach the compressor (nothing of the step is in flight yet), the same step on every rank.
+The optimizer's ``synchronize`` is timed too (what a step waits for its collectives).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import types
+from typing import Any, List, Sequence, Tuple
+
+import torch
+
+from ..core.autodensity import AutoDensity, Measurement
+from ..core.payload import PayloadLayout
+from ..core.policy import sample_size
+from .selection import backend_for
+
+__all__ = ["probe_sizes", "measure", "install_wait_timer"]
+
+#: The large probe carries the model's dense gradient bytes, within these bounds: large enough that its transfer
+#: time stands well above one collective's latency on a fast link, small enough to cost ~1 s at 100 Mbit/s.
+PROBE_MIN_BYTES = 256 * 1024
+PROBE_MAX_BYTES = 8 * 1024 * 1024
+SMALL_REPEATS = 5
+LARGE_REPEATS = 2
+#: The selection timed for the first decision: up to this many entries of the largest tensor, ratio 0.01.
+SELECT_PROBE_NUMEL = 1 << 22
+
+
+def probe_sizes(dense_nbytes: int) -> int:
+    """Bytes of the large probe for a model whose gradients are ``dense_nbytes`` bytes (the same on every rank)."""
+    return int(min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, dense_nbytes))) // 4 * 4
+
+
+def _timed_allreduce(numel: int, name: str, process_set: Any, repeats: int, pick: Any) -> float:
+    from horovod.torch.mpi_ops import Sum, allreduce
+
+    buf = torch.zeros(numel, dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        allreduce(buf, name=name, op=Sum, process_set=process_set)
+        times.append(time.perf_counter() - started)
+    return float(pick(times))
+
+
+def _selection_seconds_per_entry(numel: int, device: torch.device, selector: str) -> float:
+    """Host time of one compress of ``numel`` entries at ratio 0.01 on ``device`` (synchronised on a GPU: this
+    runs once per decision, not per step)."""
+    n = max(1024, min(numel, SELECT_PROBE_NUMEL))
+    flat = torch.randn(n, device=device)
+    residual = torch.zeros(n, device=device)
+    k = max(1, math.ceil(0.01 * n))
+    layout = PayloadLayout(k, 4)
+    backend = backend_for(flat, selector)
+    best = math.inf
+    for step in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        backend.compress(flat, residual, None, 0.0, layout, torch.float32, sample_size(k, n), step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+        residual.zero_()
+    return best / n
+
+
+def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], process_set: Any, device: torch.device,
+            selector: str) -> Measurement:
+    """Probe the link, time a selection, and gather every rank's row: the Measurement every rank decides from."""
+    from horovod.torch.mpi_ops import allgather
+
+    world_size = process_set.size()
+    dense_nbytes = 4 * sum(n for _, n in tensors)
+    large_bytes = probe_sizes(dense_nbytes)
+    latency = _timed_allreduce(1, "topk.auto.probe.small", process_set, SMALL_REPEATS, statistics.median)
+    large = _timed_allreduce(large_bytes // 4, f"topk.auto.probe.{large_bytes}", process_set, LARGE_REPEATS, min)
+    largest = max((n for _, n in tensors), default=1024)
+    select = _selection_seconds_per_entry(largest, device, selector)
+    row = torch.tensor([auto.local_row(latency, large, select)], dtype=torch.float64)
+    rows: List[List[float]] = allgather(row, name="topk.auto.measure", process_set=process_set).tolist()
+    moved = 2.0 * (world_size - 1) / world_size * large_bytes  # what one rank sends in a ring allreduce
+    return Measurement.from_rows(rows, moved, world_size)
+
+
+def install_wait_timer(optimizer: Any, auto: AutoDensity) -> None:
+    """Time the optimizer's ``synchronize`` (the wait for this step's collectives) into ``auto``: installed on the
+    instance, so Horovod's ``step`` (which calls ``self.synchronize()``) is timed as well."""
+    synchronize = optimizer.synchronize
+
+    def timed_synchronize(_: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return synchronize()
+        finally:
+            auto.waited(time.perf_counter() - started)
+
+    optimizer.synchronize = types.MethodType(timed_synchronize, optimizer)

@@ -1,0 +1,177 @@
+"""ratio="auto" on real Horovod workers: the same decision on every rank at the same step, error feedback exact
+through every change of density, identical parameters, exact resume, and a named error for a mismatched budget.
+
+Where a test needs a given sequence of decisions it scripts the link the decisions are made from (the same script
+on every rank, a function of the step); the collectives, the compressor and the planning are the real ones.
+"""
+import copy
+
+import horovod.torch as hvd
+import pytest
+import torch
+from torch import nn
+
+from horovod_topk.core import RankMismatch
+from horovod_topk.core.autodensity import SETTLE_STEPS, WINDOW_STEPS, Measurement
+from horovod_topk.torch import TopKEF, auto_density
+
+from .torch_harness import batch, differs
+
+FIRST_DECISION = SETTLE_STEPS + WINDOW_STEPS
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 128)
+        self.fc2 = nn.Linear(128, 64)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def slow_link(world_size: int) -> Measurement:
+    """A dense window over a 1 Mbit/s link: dense's step is 1 s, almost all of it communication."""
+    return Measurement(period_s=1.0, compute_s=0.01, compress_s=0.0, latency_s=1e-4, large_s=8.0,
+                       large_nbytes=1e6, select_s_per_entry=1e-9, world_size=world_size)
+
+
+def sparse_slower_than_dense(world_size: int) -> Measurement:
+    """A sparse window measured at 5 s per step (slower than the dense 1 s): the model missed something here."""
+    return Measurement(period_s=5.0, compute_s=0.01, compress_s=0.0, latency_s=1e-4, large_s=8.0,
+                       large_nbytes=1e6, select_s_per_entry=1e-9, world_size=world_size)
+
+
+def much_slower_link(world_size: int) -> Measurement:
+    """A dense window over a 20x slower link: 20 s per dense step, worth compressing again despite the 5 s."""
+    return Measurement(period_s=20.0, compute_s=0.01, compress_s=0.0, latency_s=1e-4, large_s=160.0,
+                       large_nbytes=1e6, select_s_per_entry=1e-9, world_size=world_size)
+
+
+def script(monkeypatch, plan):
+    """Replace the link measurement by ``plan(step)`` (the same on every rank); returns the steps decided at."""
+    decided = []
+
+    def measure(auto, tensors, process_set, device, selector):
+        decided.append(auto.step)
+        return plan(auto.step)(process_set.size())
+
+    monkeypatch.setattr(auto_density, "measure", measure)
+    return decided
+
+
+def run(compressor, steps, *, state=None, on_step=None, target_lr=0.1, optimizer="sgd"):
+    torch.manual_seed(0)
+    model = Model()
+    base = (torch.optim.SGD(model.parameters(), lr=target_lr) if optimizer == "sgd"
+            else torch.optim.Adam(model.parameters(), lr=0.01))
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compressor)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        compressor.load_state_dict(state["topk"])
+    saved = {}
+    for step in steps:
+        opt.zero_grad()
+        x, _, y = batch(step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if on_step is not None:
+            on_step(step, model, opt, compressor, saved)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, saved
+
+
+def test_measured_decisions_are_the_same_on_every_rank_and_parameters_stay_identical():
+    """No script: the real probes, timings and selection timing decide; every rank must hold the same history."""
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=6)
+    history = []
+    params, _ = run(compressor, range(FIRST_DECISION + 20),
+                    on_step=lambda step, m, o, c, s: history.append(c.auto.ratio))
+    flat = torch.cat([params[n].reshape(-1) for n in sorted(params)])
+    same = hvd.allgather(flat.unsqueeze(0), name="auto.measured.params")
+    stats = compressor.stats()["auto"]
+    everyone = hvd.allgather_object((history, stats["decisions"], stats["last"].get("ratio")), name="auto.history")
+    assert torch.equal(same[0], same[1])
+    assert stats["decisions"] >= 2
+    assert all(h == everyone[0] for h in everyone)
+    assert history[:FIRST_DECISION] == [None] * FIRST_DECISION  # dense while the first window is measured
+
+
+def test_parameters_are_bit_identical_on_every_rank_through_changes(monkeypatch):
+    script(monkeypatch, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
+    params, _ = run(compressor, range(3 * FIRST_DECISION))
+    flat = torch.cat([params[n].reshape(-1) for n in sorted(params)])
+    everyone = hvd.allgather(flat.unsqueeze(0), name="auto.params")
+    assert torch.equal(everyone[0], everyone[1])
+    assert compressor.stats()["auto"]["changes"] >= 2
+
+
+def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch):
+    """Per tensor, over all ranks: sum of raw gradients == P * sum of averaged gradients + sum of residuals, across
+    dense -> sparse -> dense (leftovers flushed into the dense step) -> sparse."""
+    measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    decided = script(monkeypatch, lambda step: measured.get(step, much_slower_link))
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
+    raw, sent, ratios = {}, {}, []
+    torch.manual_seed(0)
+    model = Model()
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: raw.__setitem__(name, raw.get(name, 0) + g.detach().clone()))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+    for step in range(4 * FIRST_DECISION):
+        opt.zero_grad()
+        x, _, y = batch(step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            sent[name] = sent.get(name, 0) + p.grad.detach().clone()
+        with opt.skip_synchronize():
+            opt.step()
+        ratios.append(compressor.auto.ratio)
+    for name, record in sorted(compressor.registry.records.items()):
+        residual = record.residual if record.residual is not None else torch.zeros(record.numel)
+        total_raw = hvd.allreduce(raw[name].reshape(-1), op=hvd.Sum, name=f"auto.ef.raw.{name}")
+        total_residual = hvd.allreduce(residual, op=hvd.Sum, name=f"auto.ef.res.{name}")
+        torch.testing.assert_close(hvd.size() * sent[name].reshape(-1) + total_residual, total_raw,
+                                   rtol=1e-5, atol=1e-5)
+    changes = [(i, r) for i, r in enumerate(ratios) if i and r != ratios[i - 1]]
+    assert ratios[0] is None and len(changes) >= 3, (changes, decided)
+    assert any(r is None for _, r in changes[1:]), changes  # went back to dense at least once
+
+
+def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
+    script(monkeypatch, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    save_at = FIRST_DECISION + 3
+
+    def keep(step, model, opt, compressor, saved):
+        if step == save_at:
+            saved.update(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                        "topk": compressor.state_dict()}))
+
+    straight, saved = run(TopKEF(ratio="auto", min_numel=256, auto_every=5), range(3 * FIRST_DECISION), on_step=keep)
+    assert saved["topk"]["auto"]["ratio"] is not None  # saved while sparse
+    resumed_compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
+    resumed, _ = run(resumed_compressor, range(save_at + 1, 3 * FIRST_DECISION), state=saved)
+    assert differs(straight, resumed) == []
+
+
+def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypatch):
+    script(monkeypatch, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=5)
+    ratios = []
+    params, _ = run(compressor, range(3 * FIRST_DECISION), optimizer="adam",
+                    on_step=lambda step, m, o, c, s: ratios.append(c.auto.ratio))
+    flat = torch.cat([params[n].reshape(-1) for n in sorted(params)])
+    everyone = hvd.allgather(flat.unsqueeze(0), name="auto.update.params")
+    assert torch.equal(everyone[0], everyone[1])
+    assert ratios[0] is None and any(r is not None for r in ratios) and ratios[-1] is None, ratios
+    assert compressor.stats()["exchanges"]  # some updates travelled compressed
+
+
+def test_a_different_budget_on_one_rank_is_named_instead_of_hanging():
+    compressor = TopKEF(ratio="auto", min_numel=256, budget=0.1 if hvd.rank() == 0 else 0.2)
+    with pytest.raises(RankMismatch, match="budget"):
+        run(compressor, range(2))
