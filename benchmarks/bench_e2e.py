@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
 #: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
-EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce"]
+EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto"]
 MODELS = ["mlp", "digits", "charlm"]
 
 
@@ -80,6 +80,8 @@ def compression_for(method: str):
 
     if method in ("dense", "fp16"):
         return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
+    if method == "auto":  # ratio="auto" with its defaults (budget 0.1)
+        return TopKEF(ratio="auto")
     ratio, _, exchange = method[len("topk"):].partition("-")
     return TopKEF(ratio=float(ratio), exchange=exchange or "auto")
 
@@ -116,6 +118,10 @@ def worker(method: str, steps: int, warmup: int, model_name: str) -> None:
     opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
                                    compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if method == "auto":  # past the first decision and the check after it: the step time of the density chosen
+        from horovod_topk.core.autodensity import SETTLE_STEPS, WINDOW_STEPS
+
+        warmup = max(warmup, 2 * (SETTLE_STEPS + WINDOW_STEPS) + 2)
     for _ in range(warmup):
         local_step(opt)
     counter = Path("/sys/class/net/eth0/statistics/tx_bytes")
@@ -137,6 +143,13 @@ def worker(method: str, steps: int, warmup: int, model_name: str) -> None:
         print(f"E2E method={method} t_compute={mean[0]:.5f} t_step={mean[1]:.5f} tx_per_step={mean[2]:.0f} "
               f"reported_per_step={mean[3] if mean[3] is not None else 'NA'}", flush=True)
         print("E2E tensors=" + json.dumps(tensors), flush=True)
+        if method == "auto":
+            last = compression.stats()["auto"]["last"]
+            print("E2E auto=" + json.dumps({"ratio": compression.auto.ratio, "reason": last.get("reason"),
+                                            "predicted_s": last.get("predicted_s"),
+                                            "bandwidth_bps": last.get("bandwidth_bps"),
+                                            "latency_s": last.get("latency_s"), "compute_s": last.get("compute_s"),
+                                            "measured_step_s": last.get("measured_step_s")}), flush=True)
 
 
 def parse_rate(rate: str) -> float:
@@ -157,6 +170,7 @@ def run_one(workers: int, rate: str, method: str, steps: int, warmup: int, model
     m = re.search(rf"E2E method=(\S+) t_compute={num} t_step={num} tx_per_step={num} "
                   rf"reported_per_step=([0-9.e+-]+|NA)", text)
     t = re.search(r"E2E tensors=(\[.*?\]\])", text)
+    a = re.search(r"E2E auto=(\{.*\})", text)
     if out.returncode != 0 or m is None or t is None:
         sys.exit(f"P={workers} {rate} {method} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     ratio, _, exchange = method[len("topk"):].partition("-") if method.startswith("topk") else (None, "", None)
@@ -165,7 +179,7 @@ def run_one(workers: int, rate: str, method: str, steps: int, warmup: int, model
             "exchange": (exchange or "auto") if ratio else None,
             "t_compute_s": float(m.group(2)), "t_step_s": float(m.group(3)), "tx_bytes_per_step": float(m.group(4)),
             "handed_bytes_per_step": None if m.group(5) == "NA" else float(m.group(5)),
-            "tensors": json.loads(t.group(1))}
+            "tensors": json.loads(t.group(1)), "auto": json.loads(a.group(1)) if a else None}
 
 
 def run_all(workers_list, rates, methods, steps, warmup, model, plot, json_path):
@@ -183,7 +197,9 @@ def run_all(workers_list, rates, methods, steps, warmup, model, plot, json_path)
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rep = f"{r['handed_bytes_per_step'] / 1e6:.3f} MB" if r["handed_bytes_per_step"] is not None else "–"
-        print(f"| {r['workers']} | {r['rate']} | {r['method']} | {r['t_compute_s'] * 1e3:.1f} | "
+        shown = r["method"] if not r.get("auto") else (
+            f"auto (chose {'dense' if r['auto']['ratio'] is None else r['auto']['ratio']})")
+        print(f"| {r['workers']} | {r['rate']} | {shown} | {r['t_compute_s'] * 1e3:.1f} | "
               f"{r['t_step_s'] * 1e3:.1f} | {r['t_compute_s'] / r['t_step_s']:.0%} | "
               f"{r['tx_bytes_per_step'] / 1e6:.3f} MB | {rep} |")
     if json_path:

@@ -324,6 +324,11 @@ def row_method(row: dict, base: TopKConfig) -> Tuple[str, TopKConfig]:
     method = str(row.get("method"))
     if method in ("dense", "fp16"):
         return method, base
+    if method == "auto":  # ratio="auto": predicted as the density it chose (bench_e2e records it)
+        chosen = (row.get("auto") or {}).get("ratio")
+        if chosen is None:
+            return "dense", base
+        return "topk", TopKConfig(**{**base.to_dict(), "ratio": float(chosen), "exchange": base.exchange})
     m = _TOPK_METHOD.fullmatch(method)
     if m is None:
         raise ValueError(f"method {method!r} not understood: expected dense, fp16, topk<ratio> or "
@@ -334,6 +339,23 @@ def row_method(row: dict, base: TopKConfig) -> Tuple[str, TopKConfig]:
         raise ValueError(f"method {method!r}: exchange {exchange!r} is not one of {', '.join(EXCHANGES)}")
     cfg = TopKConfig(**{**base.to_dict(), "ratio": float(ratio), "exchange": exchange})
     return "topk", cfg
+
+
+def auto_comparison(auto: dict, rate_bps: float, efficiency: float, t_step: float) -> str:
+    """What ratio="auto" measured next to this model: its probed rate against the nominal rate x efficiency, and
+    its own predicted step for the density it chose against the measured step."""
+    chosen = auto.get("ratio")
+    key = "dense" if chosen is None else f"{float(chosen):g}"
+    predicted = (auto.get("predicted_s") or {}).get(key)
+    probed = auto.get("bandwidth_bps")
+    parts = [f"auto chose {key}"]
+    if probed:
+        parts.append(f"probed {_rate(float(probed))} = {float(probed) / rate_bps:.2f} x nominal (this model: "
+                     f"{efficiency:g}), latency {float(auto.get('latency_s') or 0) * 1e3:.2f} ms")
+    if predicted:
+        parts.append(f"its prediction {_ms(float(predicted))} ms vs measured {_ms(t_step)} ms "
+                     f"({float(predicted) / t_step:.2f})")
+    return "; ".join(parts)
 
 
 def check(data: dict, link_defaults: Link, base: TopKConfig, *, overlap: float, t_compress_s: float,
@@ -381,6 +403,8 @@ def check(data: dict, link_defaults: Link, base: TopKConfig, *, overlap: float, 
                      f"{'–':>12} {_mb(pred.nbytes):>12} {'–':>9}")
         lines.append(f"{workers:>3} {row.get('rate', _rate(rate_bps)):>8} {row['method']:<26} "
                      f"{_ms(t_compute):>9} {_ms(t_step):>11} {_ms(pred.t_step_s):>8} {step_ratio:>9.2f} {byte_cols}")
+        if row.get("method") == "auto" and isinstance(row.get("auto"), dict):
+            lines.append("    " + auto_comparison(row["auto"], rate_bps, link_defaults.efficiency, t_step))
     if step_ratios:
         geo = math.exp(sum(math.log(r) for r in step_ratios) / len(step_ratios))
         lines.append(f"step time predicted/measured over {len(step_ratios)} rows: {min(step_ratios):.2f} .. "

@@ -314,3 +314,24 @@ def test_auto_through_the_sparse_allreduce_says_what_it_costs_in_convergence(cap
     assert "about 3.6x the entries" in advise.sparse_allreduce_note(5, 8, None) and "ratio=" not in advise.sparse_allreduce_note(5, 8, None)
     capped = advise.sparse_allreduce_note(5, 32, 0.1)  # never a ratio above 1
     assert "ratio=1 (x10.0" in capped and "is the largest ratio and comes closest to" in capped
+
+
+def test_check_predicts_an_auto_row_as_the_density_it_chose_and_compares_what_auto_measured():
+    data = {"model": "m", "tensors": [["w", 1_000_000], ["b", 1000]], "grad_bytes": 4, "rows": [
+        {"workers": 2, "rate": "1gbit", "rate_bps": 1e9, "method": "auto", "t_compute_s": 0.02, "t_step_s": 0.04,
+         "tx_bytes_per_step": 1.7e5,
+         "auto": {"ratio": 0.01, "predicted_s": {"0.01": 0.035, "dense": 0.05}, "bandwidth_bps": 8e8,
+                  "latency_s": 0.001}},
+        {"workers": 2, "rate": "1gbit", "rate_bps": 1e9, "method": "auto", "t_compute_s": 0.02, "t_step_s": 0.05,
+         "auto": {"ratio": None, "predicted_s": {"dense": 0.05}, "bandwidth_bps": 8e8, "latency_s": 0.001}},
+    ]}
+    lines = advise.check(data, Link(1.0, 0.75, 0.0), TopKConfig(), overlap=0.0, t_compress_s=0.0,
+                         sparse_available=True)
+    text = "\n".join(lines)
+    sparse = predict("topk", [("w", 1_000_000), ("b", 1000)], 2, Link(1e9, 0.75), 0.02,
+                     config=TopKConfig(ratio=0.01))
+    dense = predict("dense", [("w", 1_000_000), ("b", 1000)], 2, Link(1e9, 0.75), 0.02)
+    assert f"{sparse.t_step_s * 1e3:.1f}" in lines[2] and f"{dense.t_step_s * 1e3:.1f}" in lines[4]
+    assert "auto chose 0.01; probed 800 Mbit/s = 0.80 x nominal" in text
+    assert "its prediction 35.0 ms vs measured 40.0 ms (0.88)" in text
+    assert "auto chose dense" in text
