@@ -35,7 +35,7 @@ METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
 #: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
 EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto"]
-MODELS = ["mlp", "digits", "charlm"]
+MODELS = ["mlp", "digits", "charlm", "gptlm"]
 
 
 def build_model(name: str):
@@ -126,6 +126,7 @@ def worker(method: str, steps: int, warmup: int, model_name: str) -> None:
         local_step(opt)
     counter = Path("/sys/class/net/eth0/statistics/tx_bytes")
     hvd.allreduce(torch.zeros(1), name="e2e.start")
+    before = compression.stats() if isinstance(compression, TopKEF) else None
     tx0, start = int(counter.read_text()), time.perf_counter()
     for _ in range(steps):
         local_step(opt)
@@ -134,8 +135,8 @@ def worker(method: str, steps: int, warmup: int, model_name: str) -> None:
     tx = (int(counter.read_text()) - tx0) / steps
     reported = None
     if isinstance(compression, TopKEF):
-        s = compression.stats()
-        reported = s["bytes_sent"] / s["steps"]  # what this rank handed to collectives per step
+        s = compression.stats()  # what this rank handed to collectives per timed step
+        reported = (s["bytes_sent"] - before["bytes_sent"]) / steps
     rows = hvd.allgather_object((t_compute, t_step, tx, reported))
     if hvd.rank() == 0:
         mean = [sum(v) / len(v) if None not in v else None for v in zip(*rows)]

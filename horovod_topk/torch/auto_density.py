@@ -1,6 +1,7 @@
 """ratio="auto" in PyTorch: the measurements core.autodensity decides from, taken with Horovod's collectives.
 
-Three things only a framework can do: time the link (two synchronous allreduces of known sizes), time one
+Three things only a framework can do: time the link (synchronous allreduces of known sizes, and a burst of small
+allgathers for what one more collective costs in a step's stream of them), time one
 selection on this device, and gather every rank's measurement row. They run at a decision step, from the first
 tensor of that step to reach the compressor (nothing of the step is in flight yet), the same step on every rank.
 The optimizer's ``synchronize`` is timed too (what a step waits for its collectives).
@@ -27,6 +28,8 @@ __all__ = ["probe_sizes", "measure", "install_wait_timer"]
 PROBE_MIN_BYTES = 256 * 1024
 PROBE_MAX_BYTES = 8 * 1024 * 1024
 SMALL_REPEATS = 5
+#: Small collectives submitted together to measure what one more costs in a step's stream of them.
+BURST = 16
 LARGE_REPEATS = 2
 #: The selection timed for the first decision: up to this many entries of the largest tensor, ratio 0.01.
 SELECT_PROBE_NUMEL = 1 << 22
@@ -47,6 +50,21 @@ def _timed_allreduce(numel: int, name: str, process_set: Any, repeats: int, pick
         allreduce(buf, name=name, op=Sum, process_set=process_set)
         times.append(time.perf_counter() - started)
     return float(pick(times))
+
+
+def _marginal_collective_seconds(process_set: Any, single_s: float) -> float:
+    """What one more small collective adds when many are in flight, as a step's per-tensor allgathers are:
+    BURST allgathers of one float submitted together, waited together, minus one alone, per extra collective.
+    (A collective alone also pays Horovod's negotiation cycle, which a step's collectives share.)"""
+    from horovod.torch.mpi_ops import allgather_async, synchronize
+
+    one = torch.zeros(1, dtype=torch.float32)
+    started = time.perf_counter()
+    handles = [allgather_async(one, name=f"topk.auto.probe.burst.{i}", process_set=process_set) for i in range(BURST)]
+    for handle in handles:
+        synchronize(handle)
+    burst = time.perf_counter() - started
+    return max(0.0, (burst - single_s) / (BURST - 1))
 
 
 def _selection_seconds_per_entry(numel: int, device: torch.device, selector: str) -> float:
@@ -79,11 +97,15 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], process_set: 
     world_size = process_set.size()
     dense_nbytes = 4 * sum(n for _, n in tensors)
     large_bytes = probe_sizes(dense_nbytes)
-    latency = _timed_allreduce(1, "topk.auto.probe.small", process_set, SMALL_REPEATS, statistics.median)
+    single = _timed_allreduce(1, "topk.auto.probe.small", process_set, SMALL_REPEATS, statistics.median)
     large = _timed_allreduce(large_bytes // 4, f"topk.auto.probe.{large_bytes}", process_set, LARGE_REPEATS, min)
+    marginal = _marginal_collective_seconds(process_set, single)
+    # The rate is what the large probe got beyond one collective alone; the latency the cost model counts per
+    # collective is the marginal one (Measurement.link subtracts it from the large probe: add it back).
+    large = large - single + marginal
     largest = max((n for _, n in tensors), default=1024)
     select = _selection_seconds_per_entry(largest, device, selector)
-    row = torch.tensor([auto.local_row(latency, large, select)], dtype=torch.float64)
+    row = torch.tensor([auto.local_row(marginal, large, select)], dtype=torch.float64)
     rows: List[List[float]] = allgather(row, name="topk.auto.measure", process_set=process_set).tolist()
     moved = 2.0 * (world_size - 1) / world_size * large_bytes  # what one rank sends in a ring allreduce
     return Measurement.from_rows(rows, moved, world_size)
