@@ -21,6 +21,7 @@ seeds) and one loss-curve plot per task.
     python benchmarks/convergence.py --tasks digits --seeds 0 --out /tmp/conv
     python benchmarks/convergence.py --workers 4 --tasks digits charlm \
         --methods dense topk0.01-allgather topk0.01-sparse_allreduce        # the two exchanges at P = 4
+    python benchmarks/convergence.py --workers 4 --tasks gptlm --methods auto@100mbit   # on the test bed (root)
 """
 from __future__ import annotations
 
@@ -38,7 +39,17 @@ TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
 EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.01-sparse_allreduce",
-                 "update0.01", "update-shared0.01", "update-compact0.025"]
+                 "update0.01", "update-shared0.01", "update-compact0.025", "topk0.03", "topk0.1"]
+
+
+#: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
+#: in the method's name; the other methods' steps do not depend on the link and run on localhost.
+AUTO_METHODS = ["auto@100mbit", "auto@1gbit", "auto@10gbit"]
+
+
+def testbed_rate(method: str) -> Optional[str]:
+    """The shaped rate an ``auto@<rate>`` run needs, None for the others."""
+    return method.partition("@")[2] or None if method.startswith("auto@") else None
 
 
 def compression_for(method: str, warmup_steps: int):
@@ -46,6 +57,8 @@ def compression_for(method: str, warmup_steps: int):
 
     from horovod_topk.torch import TopKEF
 
+    if testbed_rate(method):
+        return TopKEF(ratio="auto")
     return {
         "dense": hvd.Compression.none,
         "fp16": hvd.Compression.fp16,
@@ -65,6 +78,8 @@ def compression_for(method: str, warmup_steps: int):
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
         "update-compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8", target="update"),
         "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce"),
+        "topk0.03": TopKEF(ratio=0.03),
+        "topk0.1": TopKEF(ratio=0.1),
     }[method]
 
 
@@ -142,9 +157,10 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
     dense_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
     wire_bytes_per_step = dense_bytes_per_step // 2 if method == "fp16" else dense_bytes_per_step
     gen = torch.Generator().manual_seed(seed * 100 + hvd.rank())
-    evals, valid, train, sent = [], [], [], []
-    total = 0.0
+    evals, valid, train, sent, seconds = [], [], [], [], []
+    total, training = 0.0, 0.0  # training: wall time of the steps alone (evaluations excluded)
     for step in range(1, steps + 1):
+        started = time.perf_counter()
         opt.zero_grad()
         loss = task.loss(model, task.batch(gen))
         loss.backward()
@@ -152,8 +168,10 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
         if sched is not None and step < budget_steps:
             sched.step()
         total += loss.item()
+        training += time.perf_counter() - started
         if step % every == 0:
             evals.append(step)
+            seconds.append(training)
             train.append(hvd.allreduce(torch.tensor(total / every), name="loss").item())
             valid.append(task.validate(model))
             stats = getattr(compression, "stats", None)
@@ -162,7 +180,9 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
     at_budget = evals.index(budget_steps) if budget_steps in evals else len(evals) - 1
     return {"metric": "validation loss", "final": valid[at_budget], "perplexity": math.exp(valid[at_budget]),
             "evals": evals, "metric_curve": valid, "curve": train, "bytes_sent": sent,
-            "bytes_dense_per_step": dense_bytes_per_step, "budget_steps": budget_steps, "corpus": task.source}
+            "bytes_dense_per_step": dense_bytes_per_step, "budget_steps": budget_steps, "corpus": task.source,
+            "train_seconds": seconds,
+            **({"auto": compression.stats()["auto"]} if getattr(compression, "auto", None) is not None else {})}
 
 
 def worker(task: str, method: str, seed: int, budget: str, out: Path) -> None:
@@ -288,7 +308,7 @@ def summarize(out_dir: Path, tasks, methods, seeds, budget: str, plot: bool, wor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS + AUTO_METHODS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--budget", default="short", choices=["short", "converged"],
                         help="language-model budget (steps in LM_BUDGETS); the digits tasks always run 30 epochs")
@@ -312,9 +332,12 @@ def main() -> None:
         path = out_dir / result_name(task, method, seed, args.budget, args.workers)
         if not path.exists():
             p = str(args.workers)
-            subprocess.run(["horovodrun", "-np", p, "-H", f"localhost:{p}", sys.executable, __file__,
-                            "--worker", task, method, str(seed), "--budget", args.budget, "--out", str(out_dir),
-                            "--workers", p], check=True, capture_output=True, text=True)
+            rate = testbed_rate(method)
+            launch = ([str(ROOT / "scripts" / "testbed.sh"), "run", p, "--rate", rate, "--"] if rate else
+                      ["horovodrun", "-np", p, "-H", f"localhost:{p}"])
+            subprocess.run(launch + [sys.executable, __file__, "--worker", task, method, str(seed), "--budget",
+                                     args.budget, "--out", str(out_dir), "--workers", p],
+                           check=True, capture_output=True, text=True)
         r = json.loads(path.read_text())
         print(f"[{n}/{len(runs)}] {task:<14} {method:<17} seed {seed}: {r['metric']} {r['final']:.4f} "
               f"({r['seconds']:.0f} s)", flush=True)

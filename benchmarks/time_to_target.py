@@ -45,18 +45,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--e2e", required=True, help="JSON written by benchmarks/bench_e2e.py --json for this model")
     parser.add_argument("--convergence", default=str(ROOT / "results" / "convergence"))
+    parser.add_argument("--rates", nargs="+", help="only these rates of the e2e JSON (e.g. 100mbit)")
     parser.add_argument("--steps-per-epoch", type=int,
                         help="digits: optimizer steps per epoch at this P (default: 1437 training images / P / 32)")
     args = parser.parse_args()
     e2e = json.loads(Path(args.e2e).read_text())
-    rows = [r for r in e2e["rows"] if r["workers"] == args.workers]
+    rows = [r for r in e2e["rows"] if r["workers"] == args.workers and (not args.rates or r["rate"] in args.rates)]
     if not rows:
         parser.error(f"{args.e2e} has no rows for {args.workers} workers")
     methods: List[str] = list(dict.fromkeys(r["method"] for r in rows))
-    rates: List[str] = list(dict.fromkeys(r["rate"] for r in rows))
+    rates: List[str] = [r for r in dict.fromkeys(r["rate"] for r in rows) if not args.rates or r in args.rates]
     conv = Path(args.convergence)
     runs: Dict[str, List[dict]] = {}
-    for method in methods:
+    # ratio="auto" decides from the link, so its steps come from its run on the test bed at each rate
+    # (benchmarks/convergence.py --methods auto@<rate>); the other methods' steps do not depend on the link
+    wanted = [m for m in methods if m != "auto"] + [f"auto@{rate}" for rate in rates if "auto" in methods]
+    for method in wanted:
         paths = [conv / result_name(args.task, method, s, args.budget, args.workers) for s in args.seeds]
         missing = [str(p) for p in paths if not p.exists()]
         if missing:
@@ -87,15 +91,23 @@ def main() -> None:
         dense_steps = [x for x in reach["dense"] if x]
         dense_time = sum(dense_steps) / len(dense_steps) * step_s["dense"] if dense_steps else None
         for method in methods:
-            per_seed = ", ".join(str(x) if x else "-" for x in reach[method])
-            if all(reach[method]):
-                t = sum(reach[method]) / len(reach[method]) * step_s[method]
+            key = f"auto@{rate}" if method == "auto" else method
+            per_seed = ", ".join(str(x) if x else "-" for x in reach[key])
+            shown = method
+            if method == "auto" and "train_seconds" in runs[key][0]:
+                # the auto runs themselves ran on this link: their own training time to the target, measured
+                chosen = sorted({str(r.get("auto", {}).get("ratio")) for r in runs[key]})
+                shown = f"auto (chose {'/'.join(chosen).replace('None', 'dense')}; time measured in the run)"
+                times = [r["train_seconds"][r["evals"].index(x)] for r, x in zip(runs[key], reach[key]) if x]
+            if all(reach[key]):
+                t = (sum(times) / len(times) if method == "auto" and "train_seconds" in runs[key][0] else
+                     sum(reach[key]) / len(reach[key]) * step_s[method])
                 cell = f"{t:.1f} s"
                 rel = f"{t / dense_time:.2f}x" if dense_time else "–"
             else:
                 t = limit * step_s[method]
                 cell, rel = f"not reached in {limit} steps (> {t:.1f} s)", "–"
-            print(f"| {rate} | {method} | {per_seed} | {step_s[method] * 1e3:.1f} | {cell} | {rel} |")
+            print(f"| {rate} | {shown} | {per_seed} | {step_s[method] * 1e3:.1f} | {cell} | {rel} |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
 Prediction, per step::
 
     T(x)    = compute + compress(x) + max(0, comm(x) - hidden) + offset     (dense: no compress, no offset)
-    comm    = bytes(x) / rate + collectives(x) x latency      (core.costmodel, the probed link)
+    comm    = bytes(x) / rate + collectives(x) x latency      (core.costmodel, the probed link; a sparse
+              allreduce's two collectives count a lone collective's time each: they are chained, not fused)
     compute = period - wait of the last dense window (per rank, max over ranks)
     hidden  = comm(dense) - measured exposure of that window: what backward hides (negative when dense's
               collectives ran slower than the probes predict), so that T(dense) is the step measured
@@ -39,7 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .config import TopKConfig
 from .costmodel import Link, collectives_per_step, comm_time, route_tensors
-from .exchange import DENSE
+from .exchange import COLLECTIVES, DENSE, SPARSE_ALLREDUCE
 
 __all__ = [
     "DENSITIES",
@@ -74,7 +75,7 @@ WINDOW_STEPS = 10
 #: agreement checks and new buffers.
 SETTLE_STEPS = 2
 #: Columns of one rank's measurement row (reduced with max over ranks).
-COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry")
+COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry", "lone_s")
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,18 @@ class Measurement:
     large_nbytes: float
     select_s_per_entry: float
     world_size: int
+    #: One collective alone (it waits for its own turn of Horovod's negotiation cycle): what each collective of a
+    #: sparse allreduce costs, whose alltoall first exchanges split counts with a blocking call and is not fused
+    #: (``latency_s`` is what one more collective adds among many in flight, as a step's allgathers are).
+    lone_s: float = 0.0
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[float]], large_nbytes: float, world_size: int) -> "Measurement":
         if not rows or any(len(r) != len(COLUMNS) for r in rows):
             raise ValueError(f"measurement rows must have {len(COLUMNS)} columns ({', '.join(COLUMNS)})")
         top = [max(float(r[i]) for r in rows) for i in range(len(COLUMNS))]
-        return cls(*top[:5], large_nbytes=large_nbytes, select_s_per_entry=top[5], world_size=world_size)
+        return cls(*top[:5], large_nbytes=large_nbytes, select_s_per_entry=top[5], world_size=world_size,
+                   lone_s=top[6])
 
     @property
     def exposed_s(self) -> float:
@@ -165,8 +171,10 @@ def predict_steps(
     for ratio in DENSITIES:
         cfg = replace(config, ratio=ratio, budget=None, auto_every=None)
         routes = route_tensors("topk", tensors, world_size, config=cfg, grad_itemsize=grad_itemsize)
-        t_comm = comm_time(sum(r.nbytes for r in routes), collectives_per_step(routes, "topk", world_size,
-                                                                                grad_itemsize, link), link)
+        chained = COLLECTIVES[SPARSE_ALLREDUCE] * sum(1 for r in routes if r.route == SPARSE_ALLREDUCE)
+        collectives = collectives_per_step(routes, "topk", world_size, grad_itemsize, link) - chained
+        t_comm = (comm_time(sum(r.nbytes for r in routes), collectives, link)
+                  + chained * max(m.lone_s, link.latency_s))
         entries = sum(r.numel for r in routes if r.route != DENSE)
         t_compress = m.select_s_per_entry * entries
         key = label(ratio)
@@ -286,13 +294,14 @@ class AutoDensity:
         """Time this rank spent compressing in the current step."""
         self._compress += seconds
 
-    def local_row(self, latency_s: float, large_s: float, select_s_per_entry: float) -> List[float]:
+    def local_row(self, latency_s: float, large_s: float, select_s_per_entry: float, lone_s: float = 0.0
+                  ) -> List[float]:
         """This rank's row of COLUMNS: medians over the window, and the probes just run."""
         samples = self._samples[-max(WINDOW_STEPS, 1):] or [(0.0, 0.0, 0.0)]
         period = statistics.median(s[0] for s in samples)
         compress = statistics.median(s[2] for s in samples)
         compute = statistics.median(max(0.0, s[0] - s[1] - s[2]) for s in samples)
-        return [period, compute, compress, latency_s, large_s, select_s_per_entry]
+        return [period, compute, compress, latency_s, large_s, select_s_per_entry, lone_s]
 
     def window_was_dense(self) -> bool:
         return self.ratio is None

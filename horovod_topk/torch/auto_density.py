@@ -105,7 +105,7 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], process_set: 
     large = large - single + marginal
     largest = max((n for _, n in tensors), default=1024)
     select = _selection_seconds_per_entry(largest, device, selector)
-    row = torch.tensor([auto.local_row(marginal, large, select)], dtype=torch.float64)
+    row = torch.tensor([auto.local_row(marginal, large, select, single)], dtype=torch.float64)
     rows: List[List[float]] = allgather(row, name="topk.auto.measure", process_set=process_set).tolist()
     moved = 2.0 * (world_size - 1) / world_size * large_bytes  # what one rank sends in a ring allreduce
     return Measurement.from_rows(rows, moved, world_size)
