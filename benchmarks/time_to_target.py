@@ -15,6 +15,8 @@ assume as well.
 
     python benchmarks/time_to_target.py --task charlm --workers 4 --e2e results/e2e_charlm_p4.json
     python benchmarks/time_to_target.py --task digits --workers 4 --e2e results/e2e_digits_p4.json
+    python benchmarks/time_to_target.py --task gptlm --workers 4 --e2e results/e2e_auto_gptlm_p4.json \
+        --rates 100mbit --methods dense fp16 auto        # auto's runs: convergence.py --methods auto@100mbit
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--e2e", required=True, help="JSON written by benchmarks/bench_e2e.py --json for this model")
     parser.add_argument("--convergence", default=str(ROOT / "results" / "convergence"))
+    parser.add_argument("--methods", nargs="+", help="only these methods of the e2e JSON (dense is needed)")
     parser.add_argument("--rates", nargs="+", help="only these rates of the e2e JSON (e.g. 100mbit)")
     parser.add_argument("--steps-per-epoch", type=int,
                         help="digits: optimizer steps per epoch at this P (default: 1437 training images / P / 32)")
@@ -53,7 +56,7 @@ def main() -> None:
     rows = [r for r in e2e["rows"] if r["workers"] == args.workers and (not args.rates or r["rate"] in args.rates)]
     if not rows:
         parser.error(f"{args.e2e} has no rows for {args.workers} workers")
-    methods: List[str] = list(dict.fromkeys(r["method"] for r in rows))
+    methods: List[str] = [m for m in dict.fromkeys(r["method"] for r in rows) if not args.methods or m in args.methods]
     rates: List[str] = [r for r in dict.fromkeys(r["rate"] for r in rows) if not args.rates or r in args.rates]
     conv = Path(args.convergence)
     runs: Dict[str, List[dict]] = {}
