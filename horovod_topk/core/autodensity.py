@@ -369,7 +369,7 @@ class AutoDensity:
         """The one log line of a decision that changed the density."""
         last = self.last
         predicted = last.get("predicted_s", {})
-        shown = ", ".join(f"{key} {predicted[key] * 1e3:.0f} ms" for key in ("dense", "fp16", label(self.ratio))
+        shown = ", ".join(f"{key} {predicted[key] * 1e3:.0f} ms" for key in dict.fromkeys(("dense", "fp16", label(self.ratio)))
                           if key in predicted)
         return (f"horovod-topk auto: step {last.get('step')}: link {last.get('bandwidth_bps', 0) / 1e6:.1f} Mbit/s, "
                 f"latency {last.get('latency_s', 0) * 1e3:.2f} ms, compute {last.get('compute_s', 0) * 1e3:.0f} ms, "
