@@ -245,4 +245,9 @@ class TopKEFBase(abc.ABC, Generic[R]):
             "compress_seconds": sum(r.compress_seconds for _, r in self.registry),
             "exchanges": dict(Counter(r.exchange for _, r in self.registry if r.exchange)),
             **({"auto": self.auto.stats()} if self.auto is not None else {}),
+            **self._extra_stats(),
         }
+
+    def _extra_stats(self) -> Dict[str, Any]:
+        """What a framework's exchanges add to stats() (PyTorch: its buckets)."""
+        return {}

@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional, Union
 
+from .buckets import DEFAULT_BUCKET_BYTES
 from .exchange import COLLECTIVE_LATENCY_BYTES, EXCHANGES
 
 __all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS", "TARGETS", "SECOND_MOMENTS",
@@ -112,6 +113,12 @@ class TopKConfig:
             screens it did not converge better than "local" (docs/update-mode.md), so it is not the default.
         second_moment_block (int): entries per shared second-moment value (target="update", second_moment="shared");
             the allreduce carries 4 bytes per block. Default 256 (0.4% of a dense float32 allreduce).
+        bucket_bytes (int): PyTorch: the compressed gradients of an optimizer travel in buckets of up to this many
+            gradient bytes, in the order backward produces them: each member is still selected on its own (its own
+            k and residual), but the members planned for the allgather share one payload and one collective, which
+            leaves as soon as its last member is ready (core.buckets). Default 25 MiB (PyTorch DDP's bucket size);
+            0 sends every tensor on its own. Every rank must pass the same value (the rank check compares it).
+            TensorFlow exchanges per tensor whatever this says (its exchange bodies are traced per tensor).
         log_every (int): telemetry (core.telemetry): every N steps, log one line through Python ``logging``
             (bytes sent, compression ratio, residual norm, time spent compressing) and write those scalars to the
             ``summary_writer=`` given to TopKEF, if any. Changes nothing on the wire; each report reads the
@@ -136,6 +143,7 @@ class TopKConfig:
     second_moment_block: int = DEFAULT_SECOND_MOMENT_BLOCK
     budget: Optional[float] = None
     auto_every: Optional[int] = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
         if self.ratio == AUTO:
@@ -174,6 +182,9 @@ class TopKConfig:
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"log_every must be a non-negative integer (0: no telemetry), got {self.log_every!r}")
 
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be a non-negative integer number of gradient bytes (0: one "
+                             f"collective per tensor), got {self.bucket_bytes!r}")
         if (isinstance(self.collective_latency_bytes, bool) or not isinstance(self.collective_latency_bytes, int)
                 or self.collective_latency_bytes < 0):
             raise ValueError(f"collective_latency_bytes must be a non-negative integer number of bytes, got "
@@ -246,7 +257,7 @@ class TopKConfig:
             f", {name}={getattr(self, name)!r}"
             for name in ("selector", "value_dtype", "index_bits", "dense_fallback", "warmup_steps", "momentum",
                          "spike_guard", "exchange", "collective_latency_bytes", "target", "second_moment",
-                         "second_moment_block", "budget", "auto_every")
+                         "second_moment_block", "budget", "auto_every", "bucket_bytes")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

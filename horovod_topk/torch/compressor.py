@@ -10,7 +10,7 @@ routes the mark and the tensor is simply reduced dense.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -29,15 +29,17 @@ from ..core import (
     reduction_scale,
     sample_size,
 )
+from ..core.buckets import BucketTable
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
 from ..core.update_mode import update_tensor_name
 from . import auto_density, encoding, ops
+from .buckets import BucketedAllgather, bucket_member_names
 from .exchange import ExchangeRequest
 from .selection import Backend, backend_for, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
 from .update_mode import LocalHandle
 
-__all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather"]
+__all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather", "allgather_handle"]
 
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float8": encoding.FLOAT8}
@@ -109,16 +111,22 @@ class TopKHandle:
         return self._result
 
 
+def allgather_handle(request: ExchangeRequest, handle: Any, wait: Callable[[Any], torch.Tensor]) -> TopKHandle:
+    """The handle of ``request``'s payload carried by an allgather (its own, or its bucket's: ``wait(handle)``
+    returns this tensor's P payloads); counts the payload in the tensor's bytes sent."""
+    request.record.bytes_sent += request.layout.nbytes
+    return TopKHandle(
+        request.name, handle, wait, request.layout, request.world_size, request.wire_dtype, request.out,
+        request.shape, request.scale, request.backend,
+    )
+
+
 def start_allgather(request: ExchangeRequest) -> TopKHandle:
     """The allgather exchange (core.exchange): every rank receives every rank's payload, one collective."""
     from horovod.torch.mpi_ops import allgather_async, synchronize
 
-    request.record.bytes_sent += request.layout.nbytes
     handle = allgather_async(request.payload, name=allgather_name(request.name), process_set=request.process_set)
-    return TopKHandle(
-        request.name, handle, synchronize, request.layout, request.world_size, request.wire_dtype, request.out,
-        request.shape, request.scale, request.backend,
-    )
+    return allgather_handle(request, handle, synchronize)
 
 
 class TopKEF(TopKEFBase[torch.Tensor]):
@@ -136,6 +144,10 @@ class TopKEF(TopKEFBase[torch.Tensor]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: Which bucket each gradient travels in (core.buckets), filled when an optimizer is wrapped, and the
+        #: exchange that holds a bucket's payloads until its last member arrives (torch.buckets).
+        self.bucket_table = BucketTable()
+        self._bucketed = BucketedAllgather(self.bucket_table)
         #: Names of gradients held in update mode whose first-step agreement check has started (again after a load,
         #: as for every record; the update's own record is keyed by parameter name, not by these names).
         self._held_verified: Set[str] = set()
@@ -240,6 +252,8 @@ class TopKEF(TopKEFBase[torch.Tensor]):
                     record.residual.zero_()
                 else:  # the step will be skipped (AMP) or is lost anyway: keep the leftovers for a later step
                     record.nonfinite_steps += 1
+            if self._bucketed.covers(name):  # it travels on its own; its bucket-mates need not wait for it
+                self._bucketed.arrive(name, None, allgather_handle)
             return None
 
         pending.route = "topk"
@@ -274,7 +288,22 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
                                   process_set, backend, residual, record)
         record.exchange = plan.exchange
-        return self._exchange(plan.exchange)(request)
+        if not self._bucketed.covers(name):
+            return self._exchange(plan.exchange)(request)
+        if plan.exchange == "allgather":  # waits for its bucket (torch.buckets)
+            return self._bucketed.arrive(name, request, allgather_handle)
+        handle = self._exchange(plan.exchange)(request)
+        self._bucketed.arrive(name, None, allgather_handle)
+        return handle
+
+    def add_buckets(self, named_parameters: List[Tuple[str, Any]], scope: str = "") -> None:
+        """Bucket the gradients of one optimizer's ``named_parameters`` (under the names the routing sees:
+        ``scope`` + Horovod's name) by TopKConfig.bucket_bytes (core.buckets)."""
+        self.bucket_table.add([(scope + name, nbytes) for name, nbytes in bucket_member_names(named_parameters)],
+                              self.config.bucket_bytes)
+
+    def _extra_stats(self) -> Dict[str, Any]:
+        return {"buckets": self._bucketed.stats()} if len(self.bucket_table) else {}
 
     def _auto_begin(self, step: int, tensor: torch.Tensor, process_set: Any) -> None:
         """ratio="auto": at the first tensor of a step whose decision is due, measure (torch.auto_density) and
@@ -291,6 +320,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
 
     def _after_load(self) -> None:
         self._forget_agreements()
+        self._bucketed.abandon_in_flight()
         if getattr(self, "_sparse_allreduce", None) is not None:
             self._sparse_allreduce.abandon_in_flight()
 

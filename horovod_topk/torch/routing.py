@@ -228,6 +228,9 @@ def install() -> None:
         scope = compressor.scope_for(_named_parameters(optimizer, arguments["named_parameters"]))
         arguments["compression"] = ScopedCompression(compressor, scope)
         distributed = horovod_distributed_optimizer(*bound.args, **bound.kwargs)
+        if compressor.config.target == "gradient" and not arguments.get("groups"):
+            # Horovod's groups= are reduced as groups already (one call each); everything else is bucketed
+            compressor.add_buckets(_named_parameters(optimizer, arguments["named_parameters"]), scope)
         if compressor.config.target == "update":  # the step exchanges updates (torch.update_mode)
             UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize).install()
         elif compressor.auto is not None:  # ratio="auto" measures what the step waits for its gradients
