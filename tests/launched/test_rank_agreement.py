@@ -17,6 +17,7 @@ def test_disagreeing_ranks_raise_on_every_rank_naming_tensor_and_field():
         "step": ["step (rank 0: 0, rank 1: 5)"],
         "target": ["target (rank 0: 'gradient', rank 1: 'update')"],
         "second_moment": ["second_moment (rank 0: 'shared', rank 1: 'local')"],
+        "bucket_bytes": ["bucket_bytes (rank 0: 1048576, rank 1: 0)"],
     }
     for case, fragments in expected.items():
         message = results[case]

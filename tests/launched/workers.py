@@ -40,6 +40,8 @@ def rank_agreement_cases() -> Dict[str, str]:
         "target": lambda: TopKEF(ratio=0.01, target="update", second_moment="local") if other else TopKEF(ratio=0.01),
         # both in update mode, with different second moments
         "second_moment": lambda: TopKEF(ratio=0.01, target="update", second_moment="local" if other else "shared"),
+        # rank 0 holds its payload for its bucket's one allgather, rank 1 sends it on its own
+        "bucket_bytes": lambda: TopKEF(ratio=0.01, bucket_bytes=0 if other else 1 << 20),
     }
     results: Dict[str, str] = {}
     for case, make in cases.items():

@@ -10,6 +10,7 @@ import horovod.torch as hvd
 import pytest
 import torch
 
+from horovod_topk.core.buckets import bucket_collective_name
 from horovod_topk.torch import TopKEF
 
 from ..timeline import timeline_activities
@@ -161,9 +162,12 @@ def test_error_feedback_invariant_at_one_percent(options):
     assert stats["compression_ratio"] > 5 and stats["residual_norm"] > 0
 
 
-def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors():
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 20])
+def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors(bucket_bytes):
+    """Per tensor: one allgather per compressed tensor. Bucketed: the compressed tensors' payloads travel in their
+    bucket's one allgather, and no tensor has one of its own."""
     path = hvd.broadcast_object(tempfile.mktemp(suffix=".json", prefix="topk-timeline-"), root_rank=0)
-    compressor = TopKEF(ratio=0.01)
+    compressor = TopKEF(ratio=0.01, bucket_bytes=bucket_bytes)
     hvd.start_timeline(path)
     train(compressor, steps=3)
     hvd.stop_timeline()
@@ -174,9 +178,15 @@ def test_timeline_shows_allgather_and_no_allreduce_for_compressed_tensors():
     if hvd.rank() == 0:  # only rank 0 writes the timeline; its verdict is shared so every rank passes or fails
         events = timeline_activities(path)
         os.unlink(path)
+        if bucket_bytes:
+            (members,) = compressor.bucket_table.buckets
+            bucket = bucket_collective_name([m for m in members if m in compressed])
+            if "ALLGATHER" not in events.get(f"allgather.{bucket}", set()):
+                problems.append(f"no ALLGATHER of the bucket {bucket}: {sorted(events)}")
         for name in compressed:
-            if "ALLGATHER" not in events.get(f"allgather.topk.{name}", set()):
-                problems.append(f"{name}: no ALLGATHER of its payload")
+            own = "ALLGATHER" in events.get(f"allgather.topk.{name}", set())
+            if own == bool(bucket_bytes):
+                problems.append(f"{name}: {'an' if own else 'no'} ALLGATHER of its own payload")
             if f"allreduce.{name}" in events:
                 problems.append(f"{name}: also went through an allreduce: {events[f'allreduce.{name}']}")
         for name in dense:
