@@ -1,12 +1,14 @@
-"""The bucketed allgather for PyTorch (core.buckets): the selected payloads of a bucket's members, one collective.
+"""Buckets for PyTorch (core.buckets): the selected payloads of a bucket's members, one exchange.
 
 Each member is compensated, selected and packed when its gradient arrives, exactly as on its own
-(``TopKEF.start_exchange``); instead of its own allgather its :class:`~.exchange.ExchangeRequest` waits here until
-every member of its bucket has arrived on this step (members planned dense or for the sparse allreduce count as
-arrived: they travel on their own). Then the waiting payloads are concatenated in the bucket's static order and
-sent with one allgather named from its members (core.buckets). Each member's handle is an ordinary
-:class:`~.compressor.TopKHandle` whose wait returns that member's P payloads cut out of the gathered buffer, so the
-decompression (every backend, the compact encoding) is the per-tensor one.
+(``TopKEF.start_exchange``); instead of its own collectives its :class:`~.exchange.ExchangeRequest` waits here until
+every member of its bucket has arrived on this step (members planned dense count as arrived: they go through
+Horovod's allreduce on their own). Then the members planned for the allgather are concatenated in the bucket's static
+order and sent with one allgather, and those planned for the sparse allreduce travel in one sparse allreduce (one
+alltoall and one allgather, :mod:`.sparse_allreduce`), each named from its members (core.buckets). A member's
+handle is an ordinary :class:`~.compressor.TopKHandle` whose wait returns that member's P payloads cut out of the
+gathered buffer (so every backend and the compact encoding decompress as per tensor), or its part of the sparse
+allreduce.
 
 A bucket whose last member never arrives on a step (a parameter whose gradient Horovod sends another way, such as
 a sparse one) is sent with what it has when ``synchronize()`` first waits for one of its members: Horovod's
@@ -19,21 +21,25 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..core import PayloadSizeMismatch
-from ..core.buckets import BucketLayout, BucketTable
+from ..core.buckets import BucketLayout, BucketTable, bucket_collective_name
+from ..core.exchange import ALLGATHER, SPARSE_ALLREDUCE
 from .exchange import ExchangeRequest
+from .sparse_allreduce import SparseAllreduce, SparseAllreduceFlight
 
-__all__ = ["BucketFlight", "BucketedAllgather"]
-
+__all__ = ["BucketFlight", "BucketedExchange", "BucketSparseHandle", "bucket_member_names"]
 
 class BucketFlight:
-    """One bucket on one step: the requests that wait for it, then its allgather."""
+    """One bucket on one step: the requests that wait for it, then its collectives."""
 
-    def __init__(self, members: tuple, on_launch: Callable[["BucketFlight"], None]) -> None:
+    def __init__(self, members: tuple, owner: "BucketedExchange") -> None:
         self.members = members
         self.arrived: set = set()
-        self.requests: Dict[str, ExchangeRequest] = {}
+        #: exchange ("allgather" / "sparse_allreduce") -> member name -> its request
+        self.requests: Dict[str, Dict[str, ExchangeRequest]] = {ALLGATHER: {}, SPARSE_ALLREDUCE: {}}
         self.layout: Optional[BucketLayout] = None
-        self._on_launch = on_launch
+        self.sparse: Optional[SparseAllreduceFlight] = None
+        self.launched = False
+        self._owner = owner
         self._handle: Any = None
         self._rows: Optional[torch.Tensor] = None
 
@@ -42,28 +48,38 @@ class BucketFlight:
         return len(self.arrived) == len(self.members)
 
     @property
-    def launched(self) -> bool:
-        return self.layout is not None
+    def carried(self) -> int:
+        return sum(len(r) for r in self.requests.values())
 
     def launch(self) -> None:
-        """One allgather of the waiting members' payloads, in the bucket's order."""
+        """One allgather of the allgather members' payloads and one sparse allreduce of the others, each in the
+        bucket's order."""
         from horovod.torch.mpi_ops import allgather_async
 
-        ordered = [name for name in self.members if name in self.requests]
-        self.layout = BucketLayout(tuple(ordered), tuple(self.requests[n].layout.nbytes for n in ordered))
-        first = self.requests[ordered[0]]
-        payload = torch.cat([self.requests[n].payload for n in ordered])
-        self._handle = allgather_async(payload, name=self.layout.collective_name, process_set=first.process_set)
-        self._on_launch(self)
+        self.launched = True
+        gathered = self.requests[ALLGATHER]
+        ordered = [name for name in self.members if name in gathered]
+        if ordered:
+            self.layout = BucketLayout(tuple(ordered), tuple(gathered[n].layout.nbytes for n in ordered))
+            payload = torch.cat([gathered[n].payload for n in ordered])
+            self._handle = allgather_async(payload, name=self.layout.collective_name,
+                                           process_set=gathered[ordered[0]].process_set)
+        sparse = self.requests[SPARSE_ALLREDUCE]
+        ordered = [name for name in self.members if name in sparse]
+        if ordered:
+            self.sparse = self._owner.sparse().start_flight([sparse[n] for n in ordered],
+                                                             bucket_collective_name(ordered))
 
     def member_payloads(self, name: str) -> torch.Tensor:
-        """The P payloads of member ``name`` (contiguous, as a per-tensor allgather returns them); waits for the
-        bucket's allgather the first time."""
+        """The P payloads of allgather member ``name`` (contiguous, as a per-tensor allgather returns them); sends
+        the bucket first if it still waits for members, and waits for its allgather the first time."""
+        if not self.launched:
+            self._owner.flush()
         if self._rows is None:
             from horovod.torch.mpi_ops import synchronize
 
             assert self.layout is not None
-            request = self.requests[name]
+            request = self.requests[ALLGATHER][name]
             gathered = synchronize(self._handle)
             message = self.layout.mismatch_message(request.world_size, gathered.numel())
             if message is not None:
@@ -72,15 +88,40 @@ class BucketFlight:
         start, end = self.layout.member_slice(name)
         return self._rows[:, start:end].contiguous().view(-1)
 
+    def sparse_result(self, name: str) -> torch.Tensor:
+        """The reduced gradient of sparse-allreduce member ``name``."""
+        if not self.launched:
+            self._owner.flush()
+        assert self.sparse is not None
+        return self.sparse.result(list(self.sparse_members).index(name))
 
-class BucketedAllgather:
-    """The allgather exchange of a compressor's bucketed tensors: holds each bucket's requests for the step until
-    the bucket is complete."""
+    @property
+    def sparse_members(self) -> List[str]:
+        return [name for name in self.members if name in self.requests[SPARSE_ALLREDUCE]]
 
-    def __init__(self, table: BucketTable) -> None:
+
+class BucketSparseHandle:
+    """A bucket member's part of its bucket's sparse allreduce; calling it waits and returns its gradient."""
+
+    def __init__(self, flight: BucketFlight, name: str) -> None:
+        self._flight = flight
+        self._name = name
+
+    def __call__(self) -> torch.Tensor:
+        return self._flight.sparse_result(self._name)
+
+
+class BucketedExchange:
+    """The exchanges of a compressor's bucketed tensors: holds each bucket's requests for the step until the bucket
+    is complete."""
+
+    def __init__(self, table: BucketTable, sparse: Callable[[], SparseAllreduce]) -> None:
         self.table = table
+        #: The compressor's sparse allreduce (made on first use).
+        self.sparse = sparse
         self._open: Dict[int, BucketFlight] = {}
-        #: Bucket allgathers launched and the member payloads they carried (stats()["buckets"]).
+        #: Buckets sent, the member payloads they carried, and those sent before all members had arrived
+        #: (stats()["buckets"]).
         self.collectives = 0
         self.tensors = 0
         self.flushed_incomplete = 0
@@ -88,50 +129,43 @@ class BucketedAllgather:
     def covers(self, name: str) -> bool:
         return self.table.bucket_of(name) is not None
 
-    def arrive(self, name: str, request: Optional[ExchangeRequest],
-               handle_for: Callable[[ExchangeRequest, Any, Callable[[Any], torch.Tensor]], Any]) -> Any:
-        """Member ``name`` has arrived on this step, with the payload it sends by allgather (``request``) or
-        without one (it went dense or by the sparse allreduce). Returns the member's handle (``handle_for``
-        builds it from the request, the flight and the wait), or None without a request."""
+    def arrive(self, name: str, request: Optional[ExchangeRequest], exchange: str,
+               allgather_handle: Callable[[ExchangeRequest, Any, Callable[[Any], torch.Tensor]], Any]) -> Any:
+        """Member ``name`` has arrived on this step with the payload it sends by ``exchange``, or without one
+        (``request`` None: it went dense). Returns the member's handle (``allgather_handle`` builds an allgather
+        member's from the request, the flight and the wait), or None without a request."""
         index = self.table.bucket_of(name)
         assert index is not None
         flight = self._open.get(index)
         if flight is not None and name in flight.arrived:  # the bucket of an earlier step never completed
-            self._launch_or_drop(index, flight)
+            self._send(index, flight)
             flight = None
         if flight is None:
-            flight = self._open[index] = BucketFlight(self.table.buckets[index], self._count)
+            flight = self._open[index] = BucketFlight(self.table.buckets[index], self)
         flight.arrived.add(name)
         handle = None
         if request is not None:
-            flight.requests[name] = request
-            handle = handle_for(request, flight, self._wait_for(name))
+            flight.requests[exchange][name] = request
+            if exchange == ALLGATHER:
+                handle = allgather_handle(request, flight, lambda f: f.member_payloads(name))
+            else:
+                handle = BucketSparseHandle(flight, name)
         if flight.complete:
-            self._launch_or_drop(index, flight)
+            self._send(index, flight)
         return handle
 
-    def _wait_for(self, name: str) -> Callable[[BucketFlight], torch.Tensor]:
-        def wait(flight: BucketFlight) -> torch.Tensor:
-            if not flight.launched:
-                self.flush()
-            return flight.member_payloads(name)
-        return wait
-
-    def _launch_or_drop(self, index: int, flight: BucketFlight) -> None:
+    def _send(self, index: int, flight: BucketFlight) -> None:
         del self._open[index]
-        if flight.requests:
-            if not flight.complete:
-                self.flushed_incomplete += 1
+        if flight.carried:
+            self.collectives += 1
+            self.tensors += flight.carried
+            self.flushed_incomplete += not flight.complete
             flight.launch()
-
-    def _count(self, flight: BucketFlight) -> None:
-        self.collectives += 1
-        self.tensors += len(flight.requests)
 
     def flush(self) -> None:
         """Send every bucket still waiting for members, in bucket order (the same on every rank)."""
         for index in sorted(self._open):
-            self._launch_or_drop(index, self._open[index])
+            self._send(index, self._open[index])
 
     def abandon_in_flight(self) -> None:
         """Forget the buckets of a step that will never be synchronized (a loaded state, an elastic reset)."""

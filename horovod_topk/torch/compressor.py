@@ -33,7 +33,7 @@ from ..core.buckets import BucketTable
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
 from ..core.update_mode import update_tensor_name
 from . import auto_density, encoding, ops
-from .buckets import BucketedAllgather, bucket_member_names
+from .buckets import BucketedExchange, bucket_member_names
 from .exchange import ExchangeRequest
 from .selection import Backend, backend_for, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
@@ -147,7 +147,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         #: Which bucket each gradient travels in (core.buckets), filled when an optimizer is wrapped, and the
         #: exchange that holds a bucket's payloads until its last member arrives (torch.buckets).
         self.bucket_table = BucketTable()
-        self._bucketed = BucketedAllgather(self.bucket_table)
+        self._bucketed = BucketedExchange(self.bucket_table, self._sparse)
         #: Names of gradients held in update mode whose first-step agreement check has started (again after a load,
         #: as for every record; the update's own record is keyed by parameter name, not by these names).
         self._held_verified: Set[str] = set()
@@ -253,7 +253,7 @@ class TopKEF(TopKEFBase[torch.Tensor]):
                 else:  # the step will be skipped (AMP) or is lost anyway: keep the leftovers for a later step
                     record.nonfinite_steps += 1
             if self._bucketed.covers(name):  # it travels on its own; its bucket-mates need not wait for it
-                self._bucketed.arrive(name, None, allgather_handle)
+                self._bucketed.arrive(name, None, plan.exchange, allgather_handle)
             return None
 
         pending.route = "topk"
@@ -288,13 +288,9 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
                                   process_set, backend, residual, record)
         record.exchange = plan.exchange
-        if not self._bucketed.covers(name):
-            return self._exchange(plan.exchange)(request)
-        if plan.exchange == "allgather":  # waits for its bucket (torch.buckets)
-            return self._bucketed.arrive(name, request, allgather_handle)
-        handle = self._exchange(plan.exchange)(request)
-        self._bucketed.arrive(name, None, allgather_handle)
-        return handle
+        if self._bucketed.covers(name):  # waits for its bucket's exchange (torch.buckets)
+            return self._bucketed.arrive(name, request, plan.exchange, allgather_handle)
+        return self._exchange(plan.exchange)(request)
 
     def add_buckets(self, named_parameters: List[Tuple[str, Any]], scope: str = "") -> None:
         """Bucket the gradients of one optimizer's ``named_parameters`` (under the names the routing sees:
@@ -327,10 +323,14 @@ class TopKEF(TopKEFBase[torch.Tensor]):
     def _exchange(self, exchange: str) -> Callable[[ExchangeRequest], Any]:
         """The function that carries a selected payload under ``exchange`` (core.exchange) and returns its handle."""
         if exchange == "sparse_allreduce":
-            if getattr(self, "_sparse_allreduce", None) is None:
-                self._sparse_allreduce = SparseAllreduce()
-            return self._sparse_allreduce.start
+            return self._sparse().start
         return start_allgather
+
+    def _sparse(self) -> SparseAllreduce:
+        """This compressor's sparse allreduce exchange (made on first use)."""
+        if getattr(self, "_sparse_allreduce", None) is None:
+            self._sparse_allreduce = SparseAllreduce()
+        return self._sparse_allreduce
 
     def _guard_spike(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
         """TopKConfig.spike_guard: scale the gradient in place (like clip_grad_norm_; the alias shares its storage)
