@@ -4,7 +4,7 @@ registry and the state/statistics shared by the PyTorch and TensorFlow compresso
 Imports nothing beyond the standard library (tests/core/test_no_framework_imports.py checks it), so the math of
 what goes on the wire can be tested and reasoned about without a framework or a process group.
 """
-from .compressor import TopKEFBase, default_instance_method
+from .compressor import CompressorState, TopKEFBase, default_instance_method
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
 from .consistency import RankMismatch, check_name, fingerprint, mismatch_message
 from .costmodel import Link, Prediction, predict
@@ -30,6 +30,7 @@ __all__ = [
     "ErrorFeedbackRegistry",
     "TensorRecord",
     "STATE_FORMAT",
+    "CompressorState",
     "TopKEFBase",
     "default_instance_method",
     "PendingReduction",

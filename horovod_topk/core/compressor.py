@@ -1,6 +1,8 @@
-"""What the PyTorch and TensorFlow ``TopKEF`` classes share: configuration, registry, state and statistics.
+"""What every front end shares: configuration, registry, state and statistics (``CompressorState``), and the
+Horovod compressor API the PyTorch and TensorFlow ``TopKEF`` classes add on top of it (``TopKEFBase``).
 
-The framework classes add only the tensor math and the collective calls. Horovod accepts either a compressor
+The framework classes add only the tensor math and the collective calls; a front end that is not a Horovod
+compressor (the PyTorch DDP communication hook's state) builds on ``CompressorState`` alone. Horovod accepts either a compressor
 *class* (``compression=hvd.Compression.fp16``) or an object, so ``compression=TopKEF`` must work as well as
 ``compression=TopKEF(ratio=0.001)``: the public methods, looked up on the class, act on one shared default instance
 of that class.
@@ -20,7 +22,7 @@ from .registry import ErrorFeedbackRegistry
 from .scopes import ScopeTable
 from .telemetry import Telemetry
 
-__all__ = ["TopKEFBase", "default_instance_method"]
+__all__ = ["CompressorState", "TopKEFBase", "default_instance_method"]
 
 R = TypeVar("R")
 
@@ -40,8 +42,10 @@ class default_instance_method:
         return self.func.__get__(target, owner)
 
 
-class TopKEFBase(abc.ABC, Generic[R]):
-    """Top-K sparsification with error feedback: the framework-independent part.
+class CompressorState(abc.ABC, Generic[R]):
+    """What every front end of Top-K with error feedback keeps, whoever calls it (Horovod's compressor API, a
+    PyTorch DDP communication hook): the validated configuration, the residuals and counters by tensor name, the
+    checkpoint (state_dict / load_state_dict), statistics, telemetry and ratio="auto"'s state.
 
     Args:
         ratio (float, optional): fraction of entries sent per step, in (0, 1]. Default 0.01.
@@ -51,12 +55,6 @@ class TopKEFBase(abc.ABC, Generic[R]):
         **options: any other field of :class:`TopKConfig` (k, min_numel, selector, value_dtype, dense_fallback,
             warmup_steps, momentum, spike_guard, log_every); an unknown name is a ValueError.
     """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for method in _SHARED_METHODS:
-            if method in cls.__dict__ and not isinstance(cls.__dict__[method], default_instance_method):
-                setattr(cls, method, default_instance_method(cls.__dict__[method]))
 
     def __init__(
         self,
@@ -77,28 +75,10 @@ class TopKEFBase(abc.ABC, Generic[R]):
         self.config = config if config is not None else TopKConfig.from_dict(options)
         #: Residuals and counters by tensor name; what a checkpoint must keep (see state_dict).
         self.registry: ErrorFeedbackRegistry[R] = ErrorFeedbackRegistry()
-        #: Warn once per compressor, not per step, when a tensor reached us with nothing to route it.
-        self._warned_unrouted = False
-        #: The name prefix of each distributed optimizer given this object (core.scopes).
-        self.scopes = ScopeTable()
         #: Reports every config.log_every steps (core.telemetry).
         self.telemetry = Telemetry(self.config.log_every, summary_writer)
         #: With ratio="auto": the density in force and the measurements it is chosen from (core.autodensity).
         self.auto: Optional[AutoDensity] = AutoDensity(self.config) if self.config.auto else None
-
-    @classmethod
-    def default(cls) -> "TopKEFBase[R]":
-        """The instance used when the class itself is passed as ``compression=`` (created on first use)."""
-        inst = cls.__dict__.get("_default_instance")
-        if inst is None:
-            inst = cls()
-            setattr(cls, "_default_instance", inst)
-        return inst
-
-    def scope_for(self, parameters: Iterable[Tuple[str, Any]]) -> str:
-        """The name prefix for a distributed optimizer of ``parameters`` ((name, parameter) pairs), so that
-        several optimizers given this one object keep separate error-feedback state (see core.scopes)."""
-        return self.scopes.assign(parameters)
 
     def _report_if_due(self, completed_steps: int, rank: Optional[int] = None) -> None:
         """Called before a tensor starts step ``completed_steps + 1``: the telemetry report of the steps so far,
@@ -126,31 +106,7 @@ class TopKEFBase(abc.ABC, Generic[R]):
         if (choice.ratio != before or first) and rank in (None, 0):
             self.telemetry.logger.info(self.auto.summary_line())
 
-    # ---- Horovod's compressor API --------------------------------------------------------------------------
-    @default_instance_method
-    def compress(self, tensor: Any) -> Tuple[Any, PendingReduction]:
-        """Mark ``tensor`` for the routing; the selection happens where Horovod launches the collective."""
-        pending = PendingReduction(self, tensor.dtype, self._static_shape(tensor), self._graph_name(tensor))
-        return mark(self._alias(tensor), pending), pending
-
-    @default_instance_method
-    def decompress(self, tensor: Any, ctx: Optional[PendingReduction]) -> Any:
-        """The reduced tensor: the routing already produced it in the gradient's dtype and shape."""
-        if ctx is not None and ctx.route == "unrouted" and not self._warned_unrouted:
-            self._warned_unrouted = True
-            warnings.warn(
-                "horovod-topk: TopKEF was handed a tensor on a path it does not route (it routes the gradients of "
-                "hvd.DistributedOptimizer / DistributedGradientTape and named or traced TensorFlow allreduces): "
-                "the tensor was reduced dense, without Top-K.",
-                stacklevel=2,
-            )
-        return tensor
-
     # ---- framework hooks -------------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def _alias(self, tensor: Any) -> Any:
-        """A new tensor object sharing ``tensor``'s value, to carry the mark without touching the gradient."""
-
     def _refresh_counters(self) -> None:
         """Bring the registry's counters up to date (TensorFlow keeps them in variables updated in-graph)."""
 
@@ -162,12 +118,6 @@ class TopKEFBase(abc.ABC, Generic[R]):
     def _forget_agreements(self) -> None:
         """Framework state outside the registry that says a tensor's cross-rank check was done: forget it (after a
         load or an elastic reset every tensor is checked again, as every record is)."""
-
-    def _static_shape(self, tensor: Any) -> Tuple[Optional[int], ...]:
-        return tuple(tensor.shape)
-
-    def _graph_name(self, tensor: Any) -> Optional[str]:
-        return None
 
     @abc.abstractmethod
     def _export_residual(self, residual: R) -> Any:
@@ -182,7 +132,6 @@ class TopKEFBase(abc.ABC, Generic[R]):
         """Sum of squares of ``residual`` as a Python float."""
 
     # ---- state -----------------------------------------------------------------------------------------------
-    @default_instance_method
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals and counters, plus the configuration they were made with.
 
@@ -196,7 +145,6 @@ class TopKEFBase(abc.ABC, Generic[R]):
             state["auto"] = self.auto.state_dict()
         return state
 
-    @default_instance_method
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. Shapes are checked when each tensor is next reduced."""
         self.registry.load_state_dict(state, self._import_residual)
@@ -208,14 +156,12 @@ class TopKEFBase(abc.ABC, Generic[R]):
         self.telemetry.restart()
         self._after_load()
 
-    @default_instance_method
     def reset(self) -> None:
         """Forget all residuals and counters (for a new training run with the same compressor object)."""
         self.registry.clear()
         self.telemetry.restart()
         self.auto = AutoDensity(self.config) if self.config.auto else None
 
-    @default_instance_method
     def stats(self) -> Dict[str, Any]:
         """Traffic and residual statistics of this rank.
 
@@ -251,3 +197,74 @@ class TopKEFBase(abc.ABC, Generic[R]):
     def _extra_stats(self) -> Dict[str, Any]:
         """What a framework's exchanges add to stats() (PyTorch: its buckets)."""
         return {}
+
+
+class TopKEFBase(CompressorState[R]):
+    """Top-K with error feedback behind Horovod's compressor API (``compress(tensor) -> (tensor, ctx)``,
+    ``decompress(tensor, ctx)``): what the PyTorch and TensorFlow ``TopKEF`` classes share.
+
+    Horovod accepts either a compressor *class* or an object, so the public methods looked up on the class act
+    on one shared default instance of it (see the module docstring). Arguments as :class:`CompressorState`.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for method in _SHARED_METHODS:
+            if method in cls.__dict__ and not isinstance(cls.__dict__[method], default_instance_method):
+                setattr(cls, method, default_instance_method(cls.__dict__[method]))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Warn once per compressor, not per step, when a tensor reached us with nothing to route it.
+        self._warned_unrouted = False
+        #: The name prefix of each distributed optimizer given this object (core.scopes).
+        self.scopes = ScopeTable()
+
+    @classmethod
+    def default(cls) -> "TopKEFBase[R]":
+        """The instance used when the class itself is passed as ``compression=`` (created on first use)."""
+        inst = cls.__dict__.get("_default_instance")
+        if inst is None:
+            inst = cls()
+            setattr(cls, "_default_instance", inst)
+        return inst
+
+    def scope_for(self, parameters: Iterable[Tuple[str, Any]]) -> str:
+        """The name prefix for a distributed optimizer of ``parameters`` ((name, parameter) pairs), so that
+        several optimizers given this one object keep separate error-feedback state (see core.scopes)."""
+        return self.scopes.assign(parameters)
+
+    # ---- Horovod's compressor API --------------------------------------------------------------------------
+    @default_instance_method
+    def compress(self, tensor: Any) -> Tuple[Any, PendingReduction]:
+        """Mark ``tensor`` for the routing; the selection happens where Horovod launches the collective."""
+        pending = PendingReduction(self, tensor.dtype, self._static_shape(tensor), self._graph_name(tensor))
+        return mark(self._alias(tensor), pending), pending
+
+    @default_instance_method
+    def decompress(self, tensor: Any, ctx: Optional[PendingReduction]) -> Any:
+        """The reduced tensor: the routing already produced it in the gradient's dtype and shape."""
+        if ctx is not None and ctx.route == "unrouted" and not self._warned_unrouted:
+            self._warned_unrouted = True
+            warnings.warn(
+                "horovod-topk: TopKEF was handed a tensor on a path it does not route (it routes the gradients of "
+                "hvd.DistributedOptimizer / DistributedGradientTape and named or traced TensorFlow allreduces): "
+                "the tensor was reduced dense, without Top-K.",
+                stacklevel=2,
+            )
+        return tensor
+
+    @abc.abstractmethod
+    def _alias(self, tensor: Any) -> Any:
+        """A new tensor object sharing ``tensor``'s value, to carry the mark without touching the gradient."""
+
+    def _static_shape(self, tensor: Any) -> Tuple[Optional[int], ...]:
+        return tuple(tensor.shape)
+
+    def _graph_name(self, tensor: Any) -> Optional[str]:
+        return None
+
+    state_dict = default_instance_method(CompressorState.state_dict)
+    load_state_dict = default_instance_method(CompressorState.load_state_dict)
+    reset = default_instance_method(CompressorState.reset)
+    stats = default_instance_method(CompressorState.stats)
