@@ -19,7 +19,6 @@ from ..core import (
     PendingReduction,
     RankMismatch,
     TensorPlan,
-    TensorRecord,
     TopKEFBase,
     allgather_name,
     check_name,
@@ -27,23 +26,18 @@ from ..core import (
     mismatch_message,
     plan_tensor,
     reduction_scale,
-    sample_size,
 )
 from ..core.buckets import BucketTable
-from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
 from ..core.update_mode import update_tensor_name
-from . import auto_density, encoding, ops
+from . import auto_density
 from .buckets import BucketedExchange, bucket_member_names
 from .exchange import ExchangeRequest
-from .selection import Backend, backend_for, dtype_token as _dtype_token
+from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
+from .state import TorchResiduals
 from .update_mode import LocalHandle
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather", "allgather_handle"]
-
-_WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float8": encoding.FLOAT8}
-
 
 class AgreementCheck:
     """The fingerprint allgather of one tensor's first step (core.consistency); calling it waits and raises
@@ -101,12 +95,8 @@ class TopKHandle:
         if self._result is None:
             gathered = self._wait(self._allgather_handle)
             self._layout.check_gathered(self.name, gathered.numel(), self._world_size)
-            flat = self._out.view(-1)
-            if self._layout.compact:  # the wire encoding is the same whichever backend selected
-                indices, values = encoding.decode(gathered, self._world_size, self._layout, self._value_dtype)
-                flat.copy_(ops.scatter_sum(indices, values * self._scale, flat.numel(), ops.residual_dtype(flat.dtype)))
-            else:
-                self._backend.decompress(gathered, self._world_size, self._layout, self._value_dtype, self._scale, flat)
+            decompress_tensor(self._backend, gathered, self._world_size, self._layout, self._value_dtype, self._scale,
+                              self._out.view(-1))
             self._result = self._out.view(self._shape)
         return self._result
 
@@ -129,7 +119,7 @@ def start_allgather(request: ExchangeRequest) -> TopKHandle:
     return allgather_handle(request, handle, synchronize)
 
 
-class TopKEF(TopKEFBase[torch.Tensor]):
+class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
     """Top-K with error feedback for ``hvd.DistributedOptimizer(..., compression=TopKEF)``.
 
     Each step, per compressed gradient: add this rank's residual, send the k largest-magnitude entries as one packed
@@ -205,12 +195,6 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             grad_itemsize=tensor.element_size(), sparse_available=True,
         )
 
-    def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
-        """What the values of ``tensor``'s payload travel as (TopKConfig.value_dtype, or its own dtype)."""
-        if not tensor.is_floating_point():
-            return tensor.dtype
-        return _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype)
-
     def start_exchange(
         self,
         tensor: torch.Tensor,
@@ -229,14 +213,12 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         world_size = process_set.size()
         scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
-        wire_dtype = self._wire_dtype(tensor)
         record = self.registry.record(name, tuple(tensor.shape))
         if self.auto is not None:
             self._auto_begin(record.steps, tensor, process_set)
         plan = self._plan(name, tensor, record.steps, world_size)
         dense_nbytes = tensor.numel() * tensor.element_size()
-        if self.config.spike_guard is not None and tensor.is_floating_point():
-            self._guard_spike(record, tensor)
+        self._guard_spike(record, tensor)
         if not record.verified:
             record.verified = True
             pending.check = self._agreement_check(name, tensor, record.steps, plan.k, process_set, plan.exchange)
@@ -246,45 +228,16 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         if not plan.compressed:
             pending.route = "dense"
             record.bytes_sent += dense_nbytes
-            if record.residual is not None:  # leftovers of earlier compressed steps travel now: nothing is lost
-                if bool(torch.isfinite(tensor).all()):
-                    tensor.add_(record.residual.to(tensor.dtype).view(tensor.shape))
-                    record.residual.zero_()
-                else:  # the step will be skipped (AMP) or is lost anyway: keep the leftovers for a later step
-                    record.nonfinite_steps += 1
+            self._send_leftovers(record, tensor)
             if self._bucketed.covers(name):  # it travels on its own; its bucket-mates need not wait for it
                 self._bucketed.arrive(name, None, plan.exchange, allgather_handle)
             return None
 
         pending.route = "topk"
         assert plan.k is not None
-        residual, momentum_buffer = self._state_buffers(name, record, tensor)
-        world_factor = residual_world_factor(op_name, record.world_size, world_size)
-        if world_factor != 1.0:  # workers left or joined since this residual was built (elastic)
-            residual.mul_(world_factor)
-        record.world_size = world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        layout = tensor_payload_layout(self.config, plan.k, flat.numel(), _dtype_token(wire_dtype).element_size())
-        # The backend writes the plain layout; the compact options re-encode its pairs (float8 values are selected
-        # exactly, the encoder puts float8's rounding back into the residual).
-        select_dtype = torch.float32 if layout.scaled else wire_dtype
-        plain = PayloadLayout(plan.k, _dtype_token(select_dtype).element_size()) if layout.compact else layout
-        backend = self._backend(tensor)
-        started = time.perf_counter()  # host time only: no sync on a GPU (there it is the launch time)
-        # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer, on every
-        # backend: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
-        payload, nonfinite = backend.compress(
-            flat, residual, momentum_buffer, self.config.momentum, plain, select_dtype,
-            sample_size(plan.k, flat.numel()), record.steps,
-        )
-        record.nonfinite_steps += nonfinite  # a device tensor on the device backend: read without a sync here
-        if layout.compact:
-            indices, values = ops.unpack(payload, 1, plain, select_dtype)
-            payload = encoding.encode(indices[0], values[0], residual, layout)
-        elapsed = time.perf_counter() - started
-        record.compress_seconds += elapsed
-        if self.auto is not None:
-            self.auto.compressed(elapsed)
+        payload, layout, wire_dtype, backend, residual = self._select(name, record, tensor, flat, plan.k,
+                                                                      world_size, op_name)
         request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
                                   process_set, backend, residual, record)
         record.exchange = plan.exchange
@@ -332,17 +285,6 @@ class TopKEF(TopKEFBase[torch.Tensor]):
             self._sparse_allreduce = SparseAllreduce()
         return self._sparse_allreduce
 
-    def _guard_spike(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
-        """TopKConfig.spike_guard: scale the gradient in place (like clip_grad_norm_; the alias shares its storage)
-        when its norm exceeds the guard times its running level."""
-        assert self.config.spike_guard is not None
-        factor, record.gradient_level = spike_guard_scale(
-            float(tensor.float().norm()), record.gradient_level, self.config.spike_guard, record.steps
-        )
-        if factor < 1.0:
-            tensor.mul_(factor)
-            record.guarded_steps += 1
-
     def _agreement_check(
         self, name: str, tensor: torch.Tensor, step: int, k: Optional[int], process_set: Any,
         route: Optional[str] = None,
@@ -353,48 +295,3 @@ class TopKEF(TopKEFBase[torch.Tensor]):
         rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, step, k, route)],
                             dtype=torch.int64)
         return AgreementCheck(name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize)
-
-    def _state_buffers(
-        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The residual (and momentum buffer) of ``name``: created on first use, moved to the gradient's device
-        and dtype after a load, and checked against the gradient's size."""
-        acc_dtype = ops.residual_dtype(tensor.dtype)
-        buffers = []
-        for field, wanted in (("residual", True), ("momentum", self.config.momentum > 0)):
-            buf = getattr(record, field)
-            if not wanted:
-                buffers.append(None)
-                continue
-            if buf is None:
-                buf = torch.zeros(tensor.numel(), dtype=acc_dtype, device=tensor.device)
-            elif buf.device != tensor.device or buf.dtype != acc_dtype:
-                buf = buf.to(device=tensor.device, dtype=acc_dtype)
-            if buf.numel() != tensor.numel():
-                raise ValueError(
-                    f"horovod-topk: the {field} of {name!r} has {buf.numel()} elements, the gradient "
-                    f"{tensor.numel()} (a state_dict of another model?)"
-                )
-            setattr(record, field, buf)
-            buffers.append(buf)
-        return buffers[0], buffers[1]
-
-    def _backend(self, tensor: torch.Tensor) -> Backend:
-        """Who selects and packs this tensor's entries, for its device and the selector (torch/selection.py)."""
-        return backend_for(tensor, self.config.selector)
-
-    # ---- state hooks ---------------------------------------------------------------------------------------
-    def _export_residual(self, residual: torch.Tensor) -> torch.Tensor:
-        return residual.detach().clone().cpu()
-
-    def _import_residual(self, name: str, value: Any) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"horovod-topk: residual of {name!r} in the state_dict is not a torch.Tensor")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"horovod-topk: the saved residual of {name!r} holds NaN/Inf (a corrupted state); "
-                             f"refusing to load it")
-        return value.detach().clone().reshape(-1)
-
-    def _residual_squared_norm(self, residual: torch.Tensor) -> float:
-        return float(residual.double().pow(2).sum())
-

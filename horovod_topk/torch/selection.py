@@ -28,9 +28,11 @@ from typing import Any, Dict, Tuple, Union
 import torch
 
 from ..core.payload import PayloadLayout
-from . import device_select, ops
+from ..core.policy import sample_size
+from . import device_select, encoding, ops
 
-__all__ = ["Backend", "ReferenceBackend", "FusedBackend", "DeviceBackend", "TritonBackend", "backend_for", "ENV"]
+__all__ = ["Backend", "ReferenceBackend", "FusedBackend", "DeviceBackend", "TritonBackend", "backend_for", "ENV",
+           "compress_tensor", "decompress_tensor"]
 
 ENV = "HOROVOD_TOPK_SELECTION"
 Count = Union[int, torch.Tensor]  # a 0-dim device tensor where reading the count would synchronise
@@ -199,3 +201,35 @@ def backend_for(tensor: torch.Tensor, selector: str) -> Backend:
     if on_cpu:
         return _fused()
     return _triton() if tensor.device.type == "cuda" else _DEVICE
+
+
+def compress_tensor(
+    backend: Backend, flat: torch.Tensor, residual: torch.Tensor, momentum_buffer: Any, momentum: float,
+    layout: PayloadLayout, wire_dtype: torch.dtype, step: int,
+) -> Tuple[torch.Tensor, Count]:
+    """One tensor's error feedback, selection and payload under ``layout`` (plain or compact): the backend writes
+    the plain layout and the compact options re-encode its pairs (float8 values are selected exactly; the encoder
+    puts float8's rounding back into the residual). Returns (payload, 1 if the gradient had NaN/Inf else 0)."""
+    select_dtype = torch.float32 if layout.scaled else wire_dtype
+    plain = PayloadLayout(layout.k, dtype_token(select_dtype).element_size()) if layout.compact else layout
+    # A gradient's NaN/Inf entries are sent as such and never enter residual or momentum buffer, on every
+    # backend: see compress_impl in csrc/topk_kernels.cpp and ops.compensate_nonfinite.
+    payload, nonfinite = backend.compress(flat, residual, momentum_buffer, momentum, plain, select_dtype,
+                                          sample_size(layout.k, flat.numel()), step)
+    if layout.compact:
+        indices, values = ops.unpack(payload, 1, plain, select_dtype)
+        payload = encoding.encode(indices[0], values[0], residual, layout)
+    return payload, nonfinite
+
+
+def decompress_tensor(
+    backend: Backend, gathered: torch.Tensor, world_size: int, layout: PayloadLayout, value_dtype: torch.dtype,
+    scale: float, flat: torch.Tensor,
+) -> None:
+    """Write the sum of the ``world_size`` payloads in ``gathered`` (each rank's, back to back) times ``scale``
+    over ``flat``: the wire encoding decides how they are read, the backend how they are added."""
+    if layout.compact:
+        indices, values = encoding.decode(gathered, world_size, layout, value_dtype)
+        flat.copy_(ops.scatter_sum(indices, values * scale, flat.numel(), ops.residual_dtype(flat.dtype)))
+    else:
+        backend.decompress(gathered, world_size, layout, value_dtype, scale, flat)

@@ -1,0 +1,130 @@
+"""One plan per bucket of gradients: which members are selected (and their k and payload), which go dense, and
+the fingerprint every rank checks before the bucket's collectives.
+
+A front end that is handed whole buckets (PyTorch DDP's communication hook hands it one flat buffer of several
+parameters' gradients) asks core for this plan once and only executes it: one compensation + selection over the
+compressed members (the grouped kernels on a GPU), one payload, one collective for all of them, and one dense
+allreduce for the members that travel dense. Each member keeps the decision core.policy takes for it on its own
+(its own k, so a bucket changes how many launches and collectives run, not what is selected: see core.buckets for
+why one k over the whole bucket is not built), and its residual stays keyed by its name.
+
+Pure functions and frozen dataclasses; standard library only.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from .buckets import BucketLayout
+from .config import TopKConfig
+from .consistency import fingerprint
+from .exchange import ALLGATHER, DENSE
+from .payload import PayloadLayout
+from .policy import TensorPlan, plan_tensor, tensor_payload_layout
+
+__all__ = ["MemberPlan", "BucketPlan", "plan_bucket", "bucket_fingerprint"]
+
+
+@dataclass(frozen=True)
+class MemberPlan:
+    """One member of a bucket on one step: where its gradient lies in the bucket's flat buffer and what happens
+    to it (``layout`` is its payload's layout when it is compressed, else None)."""
+
+    name: str
+    offset: int
+    numel: int
+    plan: TensorPlan
+    layout: Optional[PayloadLayout]
+
+    @property
+    def compressed(self) -> bool:
+        return self.plan.compressed
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """What one bucket does on one step, the same on every rank (every input is)."""
+
+    members: Tuple[MemberPlan, ...]
+    #: How the compressed members' payloads travel (core.exchange); "dense" when no member is compressed.
+    exchange: str
+
+    @property
+    def compressed(self) -> Tuple[MemberPlan, ...]:
+        return tuple(m for m in self.members if m.compressed)
+
+    @property
+    def dense(self) -> Tuple[MemberPlan, ...]:
+        return tuple(m for m in self.members if not m.compressed)
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel for m in self.members)
+
+    @property
+    def payload(self) -> Optional[BucketLayout]:
+        """The compressed members' payloads back to back (one rank's share of the bucket's allgather)."""
+        members = self.compressed
+        if not members:
+            return None
+        return BucketLayout(tuple(m.name for m in members), tuple(m.layout.nbytes for m in members))  # type: ignore[union-attr]
+
+    @property
+    def compressed_contiguous(self) -> bool:
+        """Whether the compressed members lie end to end in the bucket's buffer (then the grouped kernels read
+        the gradient in place instead of from a gathered copy)."""
+        members = self.compressed
+        return all(a.end == b.offset for a, b in zip(members, members[1:]))
+
+    @property
+    def name(self) -> str:
+        """A readable, deterministic name (first and last member, count, checksum of every name)."""
+        names = [m.name for m in self.members]
+        digest = zlib.crc32("\0".join(names).encode("utf-8")) & 0xFFFFFFFF
+        last = f"..{names[-1]}" if len(names) > 1 else ""
+        return f"bucket.{names[0]}{last}.{len(names)}.{digest:08x}"
+
+
+def plan_bucket(
+    members: Sequence[Tuple[str, int]],
+    config: TopKConfig,
+    *,
+    is_floating: bool,
+    world_size: int,
+    step: int,
+    value_itemsize: int,
+    grad_itemsize: int,
+) -> BucketPlan:
+    """The plan of a bucket whose flat buffer holds ``members`` ((name, numel), in buffer order) at ``step``.
+
+    Each member is planned as on its own (core.policy.plan_tensor: min_numel, dense_fallback, warm-up, the
+    exchange's cost model); only the allgather is offered, because a bucket's compressed members share one
+    payload and one collective.
+    """
+    if not members:
+        raise ValueError("horovod-topk: a bucket needs at least one member")
+    planned, offset = [], 0
+    for name, numel in members:
+        plan = plan_tensor(name, numel, is_floating, config, world_size=world_size, step=step,
+                           value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=False)
+        layout = (tensor_payload_layout(config, plan.k, numel, value_itemsize) if plan.k is not None else None)
+        planned.append(MemberPlan(name, offset, numel, plan, layout))
+        offset += numel
+    exchange = ALLGATHER if any(m.compressed for m in planned) else DENSE
+    return BucketPlan(tuple(planned), exchange)
+
+
+def bucket_fingerprint(config: TopKConfig, plan: BucketPlan, dtype: object, step: int) -> list:
+    """The integers every rank must agree on for a bucket (core.consistency.fingerprint): the configuration, the
+    bucket's size, dtype, step, total k and exchange, and as its "shape" (total elements, members, a checksum of
+    every member's size and k), so that ranks whose buckets hold other members or other k's disagree by name."""
+    detail = ",".join(f"{m.numel}:{m.plan.k if m.compressed else -1}" for m in plan.members)
+    # 20 bits: the fingerprint also holds the product of the "shape", which must stay within int64
+    checksum = zlib.crc32(detail.encode("ascii")) & 0xFFFFF
+    total_k = sum(m.plan.k for m in plan.compressed) if plan.compressed else None  # type: ignore[misc]
+    return fingerprint(config, (plan.numel, len(plan.members), checksum), dtype, step, total_k, plan.exchange)

@@ -1,0 +1,99 @@
+"""One bucket plan (core.bucket_plan) executed on one step over the bucket's flat gradient buffer.
+
+A front end that is handed whole buckets (the DDP communication hook) asks core for the plan, builds a
+:class:`BucketStep`, hands :attr:`BucketStep.payload` and :attr:`BucketStep.dense` to its collectives (one allgather,
+one allreduce), and calls :meth:`BucketStep.finish` with what they returned. The step never calls a collective
+itself, so it can be tested and timed without a process group, and the same executor serves any collective library.
+
+Each compressed member is compensated and selected on its own (``TorchResiduals._select``: its own k, residual,
+momentum and non-finite handling), so a member's result is what it would be alone; the bucket only decides that
+all payloads travel as one. Dense members carry their residual's leftovers and are averaged by one allreduce.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.bucket_plan import BucketPlan, MemberPlan
+from ..core.pending import reduction_scale
+from .selection import decompress_tensor
+
+__all__ = ["BucketStep"]
+
+
+class BucketStep:
+    """The work of one bucket on one step.
+
+    Args:
+        state: the front end's state (a ``TorchResiduals`` + ``core.CompressorState``): records, residuals, selection.
+        plan (BucketPlan): what each member does this step, the same on every rank.
+        buffer (torch.Tensor): the bucket's flat gradients; the averaged gradients are written over it.
+        shapes: each member's shape, in plan order (the records keep them, so checkpoints show them).
+        world_size (int): ranks that average the bucket.
+    """
+
+    def __init__(self, state: Any, plan: BucketPlan, buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
+                 world_size: int) -> None:
+        self.plan = plan
+        self.buffer = buffer
+        self.world_size = world_size
+        self.scale = reduction_scale("average", 1.0, 1.0, world_size)
+        itemsize = buffer.element_size()
+        #: (member, layout, wire dtype, backend) of each compressed member, in plan order.
+        self._selected: List[Tuple[MemberPlan, Any, torch.dtype, Any]] = []
+        payloads: List[torch.Tensor] = []
+        for member, shape in zip(plan.members, shapes):
+            record = state.registry.record(member.name, tuple(shape))
+            flat = buffer[member.offset:member.end]
+            state._guard_spike(record, flat)
+            record.steps += 1
+            record.bytes_dense += member.numel * itemsize
+            if not member.compressed:
+                record.bytes_sent += member.numel * itemsize
+                state._send_leftovers(record, flat)
+                continue
+            assert member.plan.k is not None
+            payload, layout, wire_dtype, backend, _ = state._select(member.name, record, flat, flat, member.plan.k,
+                                                                     world_size, "average")
+            record.bytes_sent += payload.numel()
+            record.exchange = plan.exchange
+            payloads.append(payload)
+            self._selected.append((member, layout, wire_dtype, backend))
+        #: This rank's share of the bucket's allgather (uint8), or None when no member is compressed.
+        self.payload: Optional[torch.Tensor] = torch.cat(payloads) if payloads else None
+        #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
+        #: itself, in place, when every member is dense: DDP's own allreduce, bit for bit), or None.
+        self.dense: Optional[torch.Tensor] = None
+        dense = plan.dense
+        if len(dense) == len(plan.members):
+            self.dense = buffer.div_(world_size)
+        elif dense:
+            self.dense = torch.cat([buffer[m.offset:m.end] for m in dense]).div_(world_size)
+
+    @property
+    def all_dense(self) -> bool:
+        return self.dense is self.buffer
+
+    def finish(self, gathered: Optional[torch.Tensor], dense_sum: Optional[torch.Tensor]) -> torch.Tensor:
+        """Write the bucket's averaged gradients over the buffer from the allgather of every rank's payload
+        (``gathered``, P payloads back to back) and the sum-allreduce of :attr:`dense`; returns the buffer."""
+        if self._selected:
+            assert gathered is not None and self.payload is not None
+            per_rank = self.payload.numel()
+            if gathered.numel() != per_rank * self.world_size:
+                raise ValueError(f"horovod-topk: the bucket {self.plan.name!r} received {gathered.numel()} bytes, "
+                                 f"this rank expects {self.world_size} x {per_rank}: ranks disagree about it")
+            rows = gathered.view(self.world_size, per_rank)
+            start = 0
+            for member, layout, wire_dtype, backend in self._selected:
+                end = start + layout.nbytes
+                decompress_tensor(backend, rows[:, start:end].contiguous().view(-1), self.world_size, layout,
+                                  wire_dtype, self.scale, self.buffer[member.offset:member.end])
+                start = end
+        if dense_sum is not None and not self.all_dense:
+            at = 0
+            for member in self.plan.dense:
+                self.buffer[member.offset:member.end].copy_(dense_sum[at:at + member.numel])
+                at += member.numel
+        return self.buffer

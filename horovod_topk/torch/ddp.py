@@ -1,0 +1,291 @@
+"""TopKEF for PyTorch DistributedDataParallel: a ``torch.distributed`` communication hook.
+
+    from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook
+    state = TopKEFState(ratio=0.01)
+    ddp_model.register_comm_hook(state, topk_ef_hook)
+
+DDP hands the hook one bucket at a time (its buckets of ~25 MiB of gradients, launched in order while backward
+still runs). Per bucket the hook asks core for one plan (core.bucket_plan: which members are compressed, their k
+and payload layouts, which go dense), compensates and selects every compressed member into one payload
+(torch.bucket_step), sends it with one ``all_gather_into_tensor`` and the dense members with one ``all_reduce``,
+and returns the Future DDP waits on, with the averaged gradients written over the bucket.
+
+Residuals live in the same registry as Horovod's (core.CompressorState), keyed by *parameter*, never by bucket
+index: DDP rebuilds its buckets after the first iteration (in the order gradients became ready), and a checkpoint
+may be loaded into a job with other buckets. Parameters are named by ``named_parameters=`` when given, else
+``param<i>`` in the order the hook first sees them -- DDP's first iteration always uses the buckets built from the
+reverse parameter order, so the names are the same on every rank and in every job of the same model and
+``bucket_cap_mb``; pass ``named_parameters`` for names that survive other changes.
+
+This module imports no Horovod: a DDP user needs torch and horovod-topk only.
+
+What it does not do (refused by name): ``ratio="auto"`` (its probes are built on Horovod's collectives) and
+``target="update"`` (the hook sees gradients, never the optimizer's step: use Horovod's DistributedOptimizer for
+update mode). The exchange is the allgather (each rank's k entries to every rank); the sparse allreduce is not
+offered here (``exchange="sparse_allreduce"`` is refused), so the dense-fallback rule weighs allgather against dense.
+"""
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook checks the hook's annotations as
+# objects (dist.GradBucket, torch.futures.Future[torch.Tensor]), not strings.
+import weakref
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..core import CompressorState, RankMismatch, mismatch_message
+from ..core import checkpoint as core_checkpoint
+from ..core.bucket_plan import BucketPlan, bucket_fingerprint, plan_bucket
+from .bucket_step import BucketStep
+from .selection import dtype_token
+from .state import TorchResiduals
+
+__all__ = ["TopKEFState", "topk_ef_hook", "gather_state", "restore_state"]
+
+#: Every rank's tensor into one output tensor (torch >= 2.12 names it all_gather_single and deprecates the old name).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
+    """The state of :func:`topk_ef_hook`: configuration, residuals by parameter, statistics, checkpoints.
+
+    Args:
+        ratio (float, optional): fraction of each compressed gradient's entries sent per step. Default 0.01.
+        process_group (optional): the group DDP reduces over (the same one given to DDP); None: the default group.
+        named_parameters (optional): ``model.named_parameters()`` of the wrapped model: residuals and
+            checkpoints are keyed by these names (recommended). Without it, ``param<i>`` in first-seen order.
+        config (TopKConfig, optional), summary_writer (optional), **options: as for Horovod's ``TopKEF``
+            (core.TopKConfig): k, min_numel, selector, value_dtype, index_bits, dense_fallback, warmup_steps,
+            momentum, spike_guard, log_every. ``bucket_bytes`` does not apply: DDP's ``bucket_cap_mb`` decides the
+            buckets.
+
+    Every rank must build it with the same options: the first time a bucket is seen (and after every load) the
+    ranks compare a fingerprint of its plan and raise :class:`RankMismatch` together instead of hanging.
+    """
+
+    def __init__(
+        self,
+        ratio: Optional[float] = None,
+        *,
+        process_group: Any = None,
+        named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(ratio, **kwargs)
+        config = self.config
+        if config.auto:
+            raise ValueError("horovod-topk: ratio='auto' is not available in the DDP hook (its link probes run on "
+                             "Horovod's collectives); pass a fixed ratio, e.g. TopKEFState(ratio=0.01)")
+        if config.target != "gradient":
+            raise ValueError("horovod-topk: target='update' is not available in the DDP hook: a communication hook "
+                             "sees gradients, never the optimizer's step. Use target='gradient' here, or Horovod's "
+                             "hvd.DistributedOptimizer(..., compression=TopKEF(target='update')).")
+        if config.exchange == "sparse_allreduce":
+            raise ValueError("horovod-topk: exchange='sparse_allreduce' is not available in the DDP hook; use "
+                             "exchange='auto' or 'allgather' (the hook sends each bucket's entries by allgather)")
+        #: The process group DDP reduces over (None: the default group). Not part of any checkpoint.
+        self.process_group = process_group
+        #: id(parameter) -> (weak reference, name): residuals follow parameters, not DDP's bucket indices.
+        self._names: Dict[int, Tuple[Any, str]] = {}
+        #: Names given by the user (named_parameters=); None: parameters are named param<i> as first seen.
+        self._given: Optional[Dict[int, str]] = None
+        if named_parameters is not None:
+            self._given = {}
+            for name, p in named_parameters:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(f"horovod-topk: named_parameters must yield (name, tensor) pairs; {name!r} "
+                                     f"is a {type(p).__name__}")
+                self._given[id(p)] = name
+                self._names[id(p)] = (weakref.ref(p), name)
+        #: Member lists (bucket plans' names) whose ranks' agreement was checked since creation or the last load.
+        self._verified: set = set()
+        #: Buckets reduced and those that carried compressed members (stats()["buckets"]).
+        self.buckets_reduced = 0
+        self.buckets_compressed = 0
+
+    # ---- parameters and plans ------------------------------------------------------------------------------
+    def name_of(self, parameter: torch.Tensor) -> str:
+        """The name residuals and checkpoints know ``parameter`` by."""
+        entry = self._names.get(id(parameter))
+        if entry is not None and entry[0]() is parameter:
+            return entry[1]
+        if self._given is not None:
+            raise ValueError(f"horovod-topk: the DDP bucket holds a parameter of shape {tuple(parameter.shape)} that "
+                             f"is not among the named_parameters given to TopKEFState (another model?)")
+        name = f"param{len(self._names)}"
+        self._names[id(parameter)] = (weakref.ref(parameter), name)
+        return name
+
+    def bucket_members(self, bucket: dist.GradBucket) -> Tuple[List[Tuple[str, int]], List[Tuple[int, ...]]]:
+        """(name, numel) and shape of every gradient in ``bucket``, in buffer order; checks that the gradients lie
+        end to end in the bucket's buffer (how DDP lays them out), since the plan addresses them by offset."""
+        buffer = bucket.buffer()
+        members, shapes, offset = [], [], 0
+        itemsize = buffer.element_size()
+        for parameter, grad in zip(bucket.parameters(), bucket.gradients()):
+            if grad.numel() and grad.data_ptr() != buffer.data_ptr() + offset * itemsize:
+                raise ValueError("horovod-topk: a DDP bucket's gradients do not lie end to end in its buffer; this "
+                                 "torch version lays buckets out in a way the hook does not know")
+            members.append((self.name_of(parameter), grad.numel()))
+            shapes.append(tuple(parameter.shape))
+            offset += grad.numel()
+        if offset != buffer.numel():
+            raise ValueError(f"horovod-topk: a DDP bucket's gradients cover {offset} of its {buffer.numel()} "
+                             f"elements; this torch version lays buckets out in a way the hook does not know")
+        return members, shapes
+
+    def plan(self, members: List[Tuple[str, int]], buffer: torch.Tensor, world_size: int) -> BucketPlan:
+        """core's plan for a bucket of ``members`` at their current step (every member of a DDP bucket is reduced
+        once per synchronised iteration, so they share one step count)."""
+        record = self.registry.records.get(members[0][0])
+        step = record.steps if record is not None else 0
+        value_dtype = self._wire_dtype(buffer) if buffer.is_floating_point() else buffer.dtype
+        return plan_bucket(members, self.config, is_floating=buffer.is_floating_point(), world_size=world_size,
+                           step=step, value_itemsize=dtype_token(value_dtype).element_size(),
+                           grad_itemsize=buffer.element_size())
+
+    # ---- CompressorState hooks ----------------------------------------------------------------------------
+    def _forget_agreements(self) -> None:
+        self._verified.clear()
+
+    def _after_load(self) -> None:
+        self._forget_agreements()
+
+    def _extra_stats(self) -> Dict[str, Any]:
+        return {"buckets": {"reduced": self.buckets_reduced, "compressed": self.buckets_compressed}}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickling (e.g. torch.save of the whole state) keeps configuration and residuals, not the process group
+        or the parameter identities (they belong to this process); prefer state_dict()."""
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["_names"] = {}
+        state["_given"] = None
+        state["_verified"] = set()
+        return state
+
+
+def _check_agreement(state: TopKEFState, plan: BucketPlan, buffer: torch.Tensor, group: Any, world_size: int) -> None:
+    """The first time a bucket is seen (and after a load): every rank allgathers its plan's fingerprint and all
+    raise the same RankMismatch if they differ, before any collective whose sizes could disagree."""
+    record = state.registry.records.get(plan.members[0].name)
+    step = record.steps if record is not None else 0
+    row = torch.tensor(bucket_fingerprint(state.config, plan, buffer.dtype, step), dtype=torch.int64,
+                       device=buffer.device)
+    rows = torch.empty(world_size * row.numel(), dtype=torch.int64, device=buffer.device)
+    _all_gather_single(rows, row, group=group)
+    message = mismatch_message(plan.name, rows.view(world_size, -1).tolist())
+    if message is not None:
+        raise RankMismatch(message)
+
+
+def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: Top-K with error feedback over one bucket; register it with
+    ``ddp_model.register_comm_hook(state, topk_ef_hook)``.
+
+    Every member is compensated with its residual and its k largest entries selected (its own k, as core's
+    policy decides per tensor); the bucket's payloads travel as one allgather, its dense members (small tensors,
+    warm-up steps, ratio 1) as one allreduce. At ratio 1 every member is dense and the bucket is reduced exactly as
+    DDP's default allreduce does it (divide, then sum), bit for bit.
+    """
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    members, shapes = state.bucket_members(bucket)
+    plan = state.plan(members, buffer, world_size)
+    if plan.name not in state._verified:
+        _check_agreement(state, plan, buffer, group, world_size)
+        state._verified.add(plan.name)
+    record = state.registry.records.get(plan.members[0].name)
+    state._report_if_due(record.steps if record is not None else 0, dist.get_rank(group))
+    step = BucketStep(state, plan, buffer, shapes, world_size)
+    state.buckets_reduced += 1
+    if step.all_dense:
+        return (dist.all_reduce(buffer, group=group, async_op=True).get_future()
+                .then(lambda fut: fut.value()[0]))
+    state.buckets_compressed += 1
+    futures: List[torch.futures.Future] = []
+    gathered = None
+    if step.payload is not None:
+        gathered = torch.empty(world_size * step.payload.numel(), dtype=torch.uint8, device=buffer.device)
+        futures.append(_all_gather_single(gathered, step.payload, group=group, async_op=True).get_future())
+    if step.dense is not None:
+        futures.append(dist.all_reduce(step.dense, group=group, async_op=True).get_future())
+
+    def finish(done: torch.futures.Future) -> torch.Tensor:
+        for fut in done.value():
+            fut.value()  # raises the collective's error, if any
+        return step.finish(gathered, step.dense)
+
+    return torch.futures.collect_all(futures).then(finish)
+
+
+# ---- checkpoints of every rank -------------------------------------------------------------------------------
+class _DistTransport:
+    """core.checkpoint's collectives over torch.distributed (CPU tensors on Gloo; the device's on NCCL)."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.device = device
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, root) if self.group is not None else root,
+                                   group=self.group)
+        return box[0]
+
+    def describe(self, value: torch.Tensor) -> Dict[str, Any]:
+        return {"numel": int(value.numel()), "dtype": str(value.dtype).replace("torch.", "")}
+
+    def gather(self, value: torch.Tensor, root: int, key: str) -> Optional[List[torch.Tensor]]:
+        flat = value.reshape(-1).contiguous().to(self.device)
+        out = torch.empty(self.size * flat.numel(), dtype=flat.dtype, device=self.device)
+        _all_gather_single(out, flat, group=self.group)
+        return [row.cpu().clone() for row in out.view(self.size, -1)] if self.rank == root else None
+
+    def scatter(self, values: Optional[List[torch.Tensor]], root: int, key: str, like: Mapping[str, Any]) -> torch.Tensor:
+        dtype = getattr(torch, like["dtype"])
+        out = torch.empty(int(like["numel"]), dtype=dtype, device=self.device)
+        parts = [v.reshape(-1).to(device=self.device, dtype=dtype) for v in values] if self.rank == root else None
+        src = dist.get_global_rank(self.group, root) if self.group is not None else root
+        dist.scatter(out, parts, src=src, group=self.group)
+        return out.cpu()
+
+    def broadcast(self, value: Optional[torch.Tensor], root: int, key: str, like: Mapping[str, Any]) -> torch.Tensor:
+        dtype = getattr(torch, like["dtype"])
+        tensor = (value.reshape(-1).to(device=self.device, dtype=dtype) if value is not None
+                  else torch.empty(int(like["numel"]), dtype=dtype, device=self.device))
+        src = dist.get_global_rank(self.group, root) if self.group is not None else root
+        dist.broadcast(tensor, src=src, group=self.group)
+        return tensor.cpu()
+
+    def mean(self, values: List[torch.Tensor], factor: float) -> torch.Tensor:
+        total = torch.zeros(values[0].numel(), dtype=torch.float64)
+        for v in values:
+            total += v.reshape(-1).double()
+        return (total * (factor / len(values))).to(values[0].dtype)
+
+
+def _transport(state: TopKEFState) -> _DistTransport:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(state.process_group) == "nccl" \
+        else torch.device("cpu")
+    return _DistTransport(state.process_group, device)
+
+
+def gather_state(state: TopKEFState, root_rank: int = 0) -> Optional[Dict[str, Any]]:
+    """Collective: every rank's residuals in one dict on ``root_rank`` (None elsewhere), for one checkpoint file
+    that :func:`restore_state` loads on the same or another number of ranks (core.checkpoint's policy: exact on
+    the same world size; on another, every rank gets the ranks' mean residual, rescaled so the mass owed to the
+    model is kept). Per-rank ``state.state_dict()`` / ``load_state_dict`` is the simpler exact alternative."""
+    return core_checkpoint.gather_state(state, _transport(state), root_rank)
+
+
+def restore_state(state: TopKEFState, checkpoint: Optional[Mapping[str, Any]], root_rank: int = 0) -> None:
+    """Collective: load a :func:`gather_state` checkpoint held by ``root_rank`` (the other ranks may pass None)."""
+    core_checkpoint.restore_state(state, checkpoint, _transport(state), root_rank, "average")

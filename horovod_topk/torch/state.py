@@ -1,0 +1,132 @@
+"""What every PyTorch front end (Horovod's ``TopKEF``, the DDP hook's ``TopKEFState``) does with one tensor's
+state on one step: residual buffers created lazily on the gradient's device, the wire dtype of a gradient, the
+spike guard, the error-feedback selection into a payload, the leftovers a tensor carries when it goes dense, and
+residuals in and out of checkpoints. The front ends differ only in how they name tensors and which collectives
+carry the payloads."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ..core import PayloadLayout, TensorRecord
+from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
+from . import encoding, ops
+from .selection import Backend, backend_for, compress_tensor, dtype_token
+
+__all__ = ["TorchResiduals", "WIRE_DTYPES"]
+
+#: TopKConfig.value_dtype -> the dtype values travel as.
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "float8": encoding.FLOAT8}
+
+
+class TorchResiduals:
+    """Mixin for a core.CompressorState over torch tensors (needs ``self.config``)."""
+
+    config: Any
+    auto: Any
+
+    def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        """What the values of ``tensor``'s payload travel as (TopKConfig.value_dtype, or its own dtype)."""
+        if not tensor.is_floating_point():
+            return tensor.dtype
+        return WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype)
+
+    def _state_buffers(
+        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The residual (and momentum buffer) of ``name``: created on first use, moved to the gradient's device
+        and dtype after a load, and checked against the gradient's size."""
+        acc_dtype = ops.residual_dtype(tensor.dtype)
+        buffers = []
+        for field, wanted in (("residual", True), ("momentum", self.config.momentum > 0)):
+            buf = getattr(record, field)
+            if not wanted:
+                buffers.append(None)
+                continue
+            if buf is None:
+                buf = torch.zeros(tensor.numel(), dtype=acc_dtype, device=tensor.device)
+            elif buf.device != tensor.device or buf.dtype != acc_dtype:
+                buf = buf.to(device=tensor.device, dtype=acc_dtype)
+            if buf.numel() != tensor.numel():
+                raise ValueError(
+                    f"horovod-topk: the {field} of {name!r} has {buf.numel()} elements, the gradient "
+                    f"{tensor.numel()} (a state_dict of another model?)"
+                )
+            setattr(record, field, buf)
+            buffers.append(buf)
+        return buffers[0], buffers[1]
+
+    def _backend(self, tensor: torch.Tensor) -> Backend:
+        """Who selects and packs this tensor's entries, for its device and the selector (torch/selection.py)."""
+        return backend_for(tensor, self.config.selector)
+
+    def _guard_spike(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
+        """TopKConfig.spike_guard: scale the gradient in place (like clip_grad_norm_) when its norm exceeds the
+        guard times its running level."""
+        if self.config.spike_guard is None or not tensor.is_floating_point():
+            return
+        factor, record.gradient_level = spike_guard_scale(
+            float(tensor.float().norm()), record.gradient_level, self.config.spike_guard, record.steps
+        )
+        if factor < 1.0:
+            tensor.mul_(factor)
+            record.guarded_steps += 1
+
+    def _send_leftovers(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
+        """``tensor`` goes dense this step: the leftovers of its earlier compressed steps travel in it, so nothing
+        is lost. A non-finite gradient keeps them for a later step (AMP skips the step, or it is lost anyway)."""
+        if record.residual is None:
+            return
+        if bool(torch.isfinite(tensor).all()):
+            tensor.add_(record.residual.to(tensor.dtype).view(tensor.shape))
+            record.residual.zero_()
+        else:
+            record.nonfinite_steps += 1
+
+    def _select(
+        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, flat: torch.Tensor, k: int,
+        world_size: int, op_name: str,
+    ) -> Tuple[torch.Tensor, PayloadLayout, torch.dtype, Backend, torch.Tensor]:
+        """Error feedback and selection of the k entries of ``tensor`` (``flat`` its flat view) at the record's
+        current step: returns (payload, its layout, the wire dtype, the backend that selected, the residual).
+
+        A residual built under another number of workers is rescaled first (policy.residual_world_factor) so the
+        mass it owes the model stays the same. A gradient's NaN/Inf entries are sent as such and never enter the
+        residual or momentum buffer, on every backend (csrc/topk_kernels.cpp, ops.compensate_nonfinite).
+        """
+        residual, momentum_buffer = self._state_buffers(name, record, tensor)
+        world_factor = residual_world_factor(op_name, record.world_size, world_size)
+        if world_factor != 1.0:  # workers left or joined since this residual was built
+            residual.mul_(world_factor)
+        record.world_size = world_size
+        wire_dtype = self._wire_dtype(tensor)
+        layout = tensor_payload_layout(self.config, k, flat.numel(), dtype_token(wire_dtype).element_size())
+        backend = self._backend(tensor)
+        started = time.perf_counter()  # host time only: no sync on a GPU (there it is the launch time)
+        payload, nonfinite = compress_tensor(backend, flat, residual, momentum_buffer, self.config.momentum, layout,
+                                             wire_dtype, record.steps)
+        record.nonfinite_steps += nonfinite  # a device tensor on the device backend: read without a sync here
+        elapsed = time.perf_counter() - started
+        record.compress_seconds += elapsed
+        if self.auto is not None:
+            self.auto.compressed(elapsed)
+        return payload, layout, wire_dtype, backend, residual
+
+    # ---- state hooks ---------------------------------------------------------------------------------------
+    def _export_residual(self, residual: torch.Tensor) -> torch.Tensor:
+        return residual.detach().clone().cpu()
+
+    def _import_residual(self, name: str, value: Any) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"horovod-topk: residual of {name!r} in the state_dict is not a torch.Tensor")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"horovod-topk: the saved residual of {name!r} holds NaN/Inf (a corrupted state); "
+                             f"refusing to load it")
+        return value.detach().clone().reshape(-1)
+
+    def _residual_squared_norm(self, residual: torch.Tensor) -> float:
+        return float(residual.double().pow(2).sum())
+

@@ -1,0 +1,153 @@
+"""The DDP communication hook on real torch.distributed workers (Gloo, CPU): parity with DDP's own allreduce at
+ratio 1, the error-feedback invariant through bucket rebuilds and no_sync, bucket-layout independence, exact
+resume, resume on another world size, rank disagreement, non-finite gradients."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from horovod_topk.core.checkpoint import redistribution_factor
+from horovod_topk.torch.ddp import TopKEFState
+
+from . import harness, workers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("ddp_options,micro_batches", [
+    ({}, 1),
+    ({"bucket_cap_mb": 0.1, "gradient_as_bucket_view": True}, 1),
+    ({"bucket_cap_mb": 0.1}, 3),  # gradient accumulation under no_sync()
+])
+def test_ratio_one_matches_ddp_bit_for_bit(world_size, ddp_options, micro_batches):
+    results = harness.run(workers.parity, world_size, ddp_options, micro_batches)
+    for r in results:
+        assert torch.equal(r["plain"], r["hooked"])
+        assert r["bytes_sent"] == r["bytes_dense"] > 0
+    assert all(torch.equal(results[0]["hooked"], r["hooked"]) for r in results)
+
+
+def _check_invariant(results, world_size):
+    """Per member and bucket call: sum over ranks of (gradient + old residual) == P * average + sum of new
+    residuals; the average is the same on every rank."""
+    calls = len(results[0]["log"])
+    assert calls > 0 and all(len(r["log"]) == calls for r in results)
+    compressed = 0
+    for i in range(calls):
+        entries = [r["log"][i] for r in results]
+        assert all(e["names"] == entries[0]["names"] for e in entries)
+        for j, name in enumerate(entries[0]["names"]):
+            owed = sum(e["grads"][j] + e["before"][j] for e in entries)
+            kept = sum(e["after"][j] for e in entries)
+            out = entries[0]["out"][j]
+            assert all(torch.equal(out, e["out"][j]) for e in entries), name
+            torch.testing.assert_close(world_size * out + kept, owed, rtol=1e-5, atol=1e-6)  # as for Horovod's
+            compressed += bool(kept.abs().sum() > 0)
+    assert compressed > 0  # the residuals did hold something: the invariant was not checked on dense steps only
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_error_feedback_invariant_through_a_bucket_rebuild(world_size):
+    results = harness.run(workers.invariant, world_size, 0.05, 1, 4, {"bucket_cap_mb": 0.3})
+    _check_invariant(results, world_size)
+    assert all(r["same"] for r in results)
+    layouts = [tuple(e["names"]) for e in results[0]["log"]]
+    ends = results[0]["ends"]
+    # DDP rebuilt its buckets after the first iteration (Net's gradients arrive out of registration order): the
+    # members of the buckets changed, and the residuals still followed their parameters (invariant above)
+    assert set(layouts[:ends[0]]) != set(layouts[ends[-2]:])
+    assert results[0]["stats"]["buckets"]["compressed"] > 0
+
+
+def test_error_feedback_invariant_with_no_sync_accumulation():
+    results = harness.run(workers.invariant, 2, 0.05, 3, 3, {})
+    _check_invariant(results, 2)
+    assert all(r["same"] for r in results)
+
+
+def test_parameters_do_not_depend_on_the_bucket_layout():
+    configurations = [{}, {"bucket_cap_mb": 0.05}, {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": True},
+                      {"static_graph": True}]
+    results = harness.run(workers.bucket_layouts, 2, configurations)
+    for r in results:
+        assert all(torch.equal(r["params"][0], p) for p in r["params"][1:])
+    assert torch.equal(results[0]["params"][0], results[1]["params"][0])
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_checkpoint_resumes_exactly(named):
+    results = harness.run(workers.resume, 2, named)
+    for r in results:
+        assert torch.equal(r["straight"], r["resumed"])
+        assert r["names"] and all(("." in n) == named for n in r["names"])
+
+
+def test_checkpoint_of_4_ranks_resumes_on_2(tmp_path):
+    path = str(tmp_path / "topk.pt")
+    saved = harness.run(workers.save_all_ranks, 4, path)
+    loaded = harness.run(workers.load_all_ranks, 2, path)
+    factor = redistribution_factor("average", 4, 2)
+    for name, _ in saved[0]["residuals"].items():
+        mean = sum(s["residuals"][name].double() for s in saved) / 4
+        for r in loaded:
+            torch.testing.assert_close(r["loaded"][name].double(), mean * factor, rtol=1e-6, atol=1e-9)
+    assert all(r["same"] for r in loaded)
+
+
+def test_ranks_that_disagree_raise_together_naming_the_field():
+    messages = harness.run(workers.mismatch, 2)
+    for message in messages:
+        assert "RankMismatch" in message or "ranks disagree" in message, message
+        assert "ratio" in message, message
+
+
+def test_a_nan_on_one_rank_stays_out_of_every_residual():
+    results = harness.run(workers.nonfinite, 2)
+    for r in results:
+        assert torch.isnan(r["grads"]["c.weight"]).any()  # sent as such: the step is visibly bad everywhere
+        assert all(torch.isfinite(v).all() for v in r["residuals"].values())
+        assert torch.isfinite(r["grads"]["b.weight"]).all() and r["residuals"]["b.weight"].abs().sum() > 0
+    assert results[1]["nonfinite_steps"] >= 1 and results[0]["nonfinite_steps"] == 0
+
+
+@pytest.mark.parametrize("options,field", [
+    ({"ratio": "auto"}, "ratio='auto'"),
+    ({"target": "update"}, "target='update'"),
+    ({"exchange": "sparse_allreduce"}, "exchange='sparse_allreduce'"),
+    ({"ratio": 0}, "ratio"),
+    ({"nonsense": 1}, "nonsense"),
+])
+def test_bad_options_are_refused_by_name(options, field):
+    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
+        TopKEFState(**options)
+
+
+def test_works_in_an_environment_without_horovod(tmp_path):
+    """A DDP user has torch and horovod-topk only: a site-packages without Horovod (every other package of this
+    environment, linked), the hook imported and run on 2 workers there."""
+    import torch as torch_module
+
+    site = Path(torch_module.__file__).resolve().parents[1]
+    filtered = tmp_path / "site"
+    filtered.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith("horovod"):
+            (filtered / entry.name).symlink_to(entry)
+    script = ("import importlib.util, sys\n"
+              "assert importlib.util.find_spec('horovod') is None, 'Horovod is importable'\n"
+              "from tests.ddp import harness, workers\n"
+              "results = harness.run(workers.smoke, 2)\n"
+              "assert all(r['same'] for r in results) and results[0]['ratio'] > 10, results\n"
+              "assert not [m for m in sys.modules if m.split('.')[0] == 'horovod']\n"
+              "print('ok', results[0]['ratio'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONPATH"] = os.pathsep.join([str(filtered), str(ROOT)])
+    done = subprocess.run([sys.executable, "-S", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
