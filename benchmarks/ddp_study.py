@@ -1,0 +1,200 @@
+"""PyTorch DDP: TopKEF's communication hook against DDP's own allreduce, the fp16 hook and the PowerSGD hook, in
+the same job: bytes on the wire per step and rank, step time, and (on the language-model tasks) validation loss.
+
+    python benchmarks/ddp_study.py --task gptlm --workers 2 --steps 400 --seeds 0 1 2 \
+        --methods dense topk0.01 topkc0.027 powersgd1 --json results/ddp_gptlm.json
+    python benchmarks/ddp_study.py --task mlp --workers 4 --steps 10 --methods dense fp16 topk0.01 powersgd1
+
+Methods: ``dense`` (DDP without a hook), ``fp16`` (torch's fp16_compress_hook), ``topk<ratio>`` (TopKEFState, 8-byte
+entries), ``topkc<ratio>`` (TopKEFState with the compact encoding: 16-bit indices and float8 values, 3 bytes an
+entry, so 0.027 costs about what 0.01 costs in 8-byte entries), ``powersgd<rank>`` (torch's PowerSGD hook, error
+feedback and warm start on, dense for the first 2 steps as its default ``start_powerSGD_iter`` requires).
+
+Workers are real torch.distributed processes (Gloo) on this machine's loopback; the bytes are what the loopback
+interface carried during the timed steps (/proc/net/dev, every rank's traffic) divided by the number of workers,
+so they include Gloo's own framing, and every method is measured by the same counter. Tasks: ``gptlm`` and
+``charlm`` (benchmarks/lm_tasks.py: real text, the user's AdamW/Adam and schedule), ``mlp`` (a 4-layer MLP of
+``--width``, random data: time and bytes only). Every worker shares this machine's cores: step times are
+compute-bound here and only their ratios mean something.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def loopback_bytes() -> int:
+    """Bytes sent over the loopback interface since boot."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            return int(rest.split()[8])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                 nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class MLPTask:
+    """Random data: for time and bytes, not for loss."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def build(self, seed: int, steps: int) -> Tuple[nn.Module, Any, Any]:
+        torch.manual_seed(seed)
+        model = MLP(self.width)
+        return model, torch.optim.Adam(model.parameters(), 1e-3), None
+
+    def batch(self, gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(32, 256, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+
+    @staticmethod
+    def loss(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    def validate(self, model: nn.Module) -> float:
+        return float("nan")
+
+
+def register(method: str, ddp: nn.Module) -> Any:
+    """Install ``method``'s hook on ``ddp``; returns its state (or None)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook
+
+    if method == "dense":
+        return None
+    if method == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if method.startswith("topkc"):
+        state = TopKEFState(ratio=float(method[5:]), index_bits=16, value_dtype="float8")
+    elif method.startswith("topk"):
+        state = TopKEFState(ratio=float(method[4:]))
+    elif method.startswith("powersgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[8:]),
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    ddp.register_comm_hook(state, topk_ef_hook)
+    return state
+
+
+def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=300))
+    if args.task == "mlp":
+        task: Any = MLPTask(args.width)
+    else:
+        from lm_tasks import make_task
+
+        task = make_task(args.task)
+    rows = []
+    for method in args.methods:
+        for seed in args.seeds:
+            model, opt, sched = task.build(seed, args.steps)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            state = register(method, ddp)
+            gen = torch.Generator().manual_seed(1000 * seed + rank)
+            timed_from = min(args.warmup, args.steps - 1)
+            for step in range(args.steps):
+                if step == timed_from:
+                    dist.barrier()
+                    wire, started = loopback_bytes(), time.perf_counter()
+                opt.zero_grad()
+                task.loss(ddp, task.batch(gen)).backward()
+                opt.step()
+                if sched is not None:
+                    sched.step()
+            dist.barrier()
+            seconds, wire = time.perf_counter() - started, loopback_bytes() - wire
+            timed = args.steps - timed_from
+            row = {"method": method, "seed": seed, "ms_per_step": 1000 * seconds / timed,
+                   "wire_bytes_per_step_rank": wire / timed / world_size, "valid_loss": task.validate(model),
+                   "parameters": sum(p.numel() for p in model.parameters())}
+            if hasattr(state, "stats"):
+                stats = state.stats()
+                row["hook_compression_ratio"] = stats["compression_ratio"]
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def table(rows: List[Dict[str, Any]], workers: int, task: str, steps: int) -> str:
+    by_method: Dict[str, List[Dict[str, Any]]] = {}
+    for row in rows:
+        by_method.setdefault(row["method"], []).append(row)
+    dense_bytes = statistics.mean(r["wire_bytes_per_step_rank"] for r in by_method.get("dense", rows))
+    dense_loss = statistics.mean(r["valid_loss"] for r in by_method["dense"]) if "dense" in by_method else None
+    lines = [f"task {task}, {workers} workers (Gloo, loopback), {steps} steps, parameters "
+             f"{rows[0]['parameters']:,}",
+             "| method | wire KB / step / rank | of dense | ms / step | validation loss (mean ± half-range) | vs dense |",
+             "|---|---|---|---|---|---|"]
+    for method, rs in by_method.items():
+        kb = statistics.mean(r["wire_bytes_per_step_rank"] for r in rs) / 1e3
+        ms = statistics.mean(r["ms_per_step"] for r in rs)
+        losses = [r["valid_loss"] for r in rs]
+        mean, half = statistics.mean(losses), (max(losses) - min(losses)) / 2
+        loss = "n/a" if mean != mean else f"{mean:.4f} ± {half:.4f}"
+        versus = "" if dense_loss is None or mean != mean else f"{100 * (mean / dense_loss - 1):+.1f}%"
+        lines.append(f"| {method} | {kb:,.1f} | {1e3 * kb / dense_bytes:.2%} | {ms:.1f} | {loss} | {versus} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="gptlm", choices=["gptlm", "charlm", "mlp"])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones start")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (--task mlp)")
+    parser.add_argument("--methods", nargs="+", default=["dense", "fp16", "topk0.01", "powersgd1"])
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.start_processes(worker, args=(args.workers, port, args, out), nprocs=args.workers, start_method="spawn")
+        rows = json.loads(Path(out).read_text())
+    print(table(rows, args.workers, args.task, args.steps))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
