@@ -65,6 +65,19 @@ def test_error_feedback_invariant_through_a_bucket_rebuild(world_size):
     assert results[0]["stats"]["buckets"]["compressed"] > 0
 
 
+@pytest.mark.parametrize("options", [
+    {"index_bits": 16, "value_dtype": "float8"},  # the compact encoding: float8's rounding stays in the residual
+    {"warmup_steps": 3},  # dense first, then fewer entries each step
+    {"value_dtype": "float16", "selector": "exact", "log_every": 1},
+])
+def test_error_feedback_invariant_with_options(options):
+    results = harness.run(workers.invariant, 2, 0.05, 1, 4, {"bucket_cap_mb": 0.3}, options)
+    _check_invariant(results, 2)
+    assert all(r["same"] for r in results)
+    stats = results[0]["stats"]
+    assert stats["compression_ratio"] > (1.5 if "warmup_steps" in options else 5)
+
+
 def test_error_feedback_invariant_with_no_sync_accumulation():
     results = harness.run(workers.invariant, 2, 0.05, 3, 3, {})
     _check_invariant(results, 2)

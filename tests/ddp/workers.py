@@ -116,10 +116,11 @@ def recording_hook(log: List[Dict[str, Any]]):
 
 
 def invariant(rank: int, world_size: int, ratio: float, micro_batches: int, steps: int,
-              ddp_options: Dict[str, Any]) -> Dict[str, Any]:
-    """Train a float64 model through the recording hook; return every bucket's record and the final parameters."""
+              ddp_options: Dict[str, Any], options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Train a float64 model through the recording hook; return every bucket's record and the final parameters.
+    ``options``: more TopKConfig options (the compact encoding, warm-up, telemetry)."""
     model = make_model(torch.float64)
-    state = TopKEFState(ratio=ratio, min_numel=64)
+    state = TopKEFState(ratio=ratio, min_numel=64, **(options or {}))
     log: List[Dict[str, Any]] = []
     ddp = DDP(model, **ddp_options)
     ddp.register_comm_hook(state, recording_hook(log))
