@@ -51,12 +51,25 @@ class BucketPlan:
     """What one bucket does on one step, the same on every rank (every input is)."""
 
     members: Tuple[MemberPlan, ...]
-    #: How the compressed members' payloads travel (core.exchange); "dense" when no member is compressed.
-    exchange: str
+    #: The exchanges the compressed members take this step (core.exchange), in the order of the first member
+    #: that takes each; empty when no member is compressed.
+    exchanges: Tuple[str, ...]
+
+    @property
+    def exchange(self) -> str:
+        """The exchange of the compressed members when they share one ("allgather" or "sparse_allreduce"),
+        "mixed" when they do not, "dense" when no member is compressed."""
+        if not self.exchanges:
+            return DENSE
+        return self.exchanges[0] if len(self.exchanges) == 1 else "mixed"
 
     @property
     def compressed(self) -> Tuple[MemberPlan, ...]:
         return tuple(m for m in self.members if m.compressed)
+
+    def taking(self, exchange: str) -> Tuple[MemberPlan, ...]:
+        """The compressed members whose entries travel by ``exchange``, in bucket order."""
+        return tuple(m for m in self.members if m.compressed and m.plan.exchange == exchange)
 
     @property
     def dense(self) -> Tuple[MemberPlan, ...]:
@@ -68,8 +81,8 @@ class BucketPlan:
 
     @property
     def payload(self) -> Optional[BucketLayout]:
-        """The compressed members' payloads back to back (one rank's share of the bucket's allgather)."""
-        members = self.compressed
+        """The allgather members' payloads back to back (one rank's share of the bucket's allgather)."""
+        members = self.taking(ALLGATHER)
         if not members:
             return None
         return BucketLayout(tuple(m.name for m in members), tuple(m.layout.nbytes for m in members))  # type: ignore[union-attr]
@@ -99,32 +112,39 @@ def plan_bucket(
     step: int,
     value_itemsize: int,
     grad_itemsize: int,
+    sparse_available: bool = False,
 ) -> BucketPlan:
     """The plan of a bucket whose flat buffer holds ``members`` ((name, numel), in buffer order) at ``step``.
 
     Each member is planned as on its own (core.policy.plan_tensor: min_numel, dense_fallback, warm-up, the
-    exchange's cost model); only the allgather is offered, because a bucket's compressed members share one
-    payload and one collective.
+    exchange's cost model, which weighs the sparse allreduce where ``sparse_available``). The members that take
+    the allgather share one payload and one allgather; those that take the sparse allreduce share one alltoall
+    and one allgather.
     """
     if not members:
         raise ValueError("horovod-topk: a bucket needs at least one member")
     planned, offset = [], 0
     for name, numel in members:
         plan = plan_tensor(name, numel, is_floating, config, world_size=world_size, step=step,
-                           value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=False)
+                           value_itemsize=value_itemsize, grad_itemsize=grad_itemsize,
+                           sparse_available=sparse_available)
         layout = (tensor_payload_layout(config, plan.k, numel, value_itemsize) if plan.k is not None else None)
         planned.append(MemberPlan(name, offset, numel, plan, layout))
         offset += numel
-    exchange = ALLGATHER if any(m.compressed for m in planned) else DENSE
-    return BucketPlan(tuple(planned), exchange)
+    exchanges: list = []
+    for m in planned:
+        if m.compressed and m.plan.exchange not in exchanges:
+            exchanges.append(m.plan.exchange)
+    return BucketPlan(tuple(planned), tuple(exchanges))
 
 
 def bucket_fingerprint(config: TopKConfig, plan: BucketPlan, dtype: object, step: int) -> list:
     """The integers every rank must agree on for a bucket (core.consistency.fingerprint): the configuration, the
     bucket's size, dtype, step, total k and exchange, and as its "shape" (total elements, members, a checksum of
     every member's size and k), so that ranks whose buckets hold other members or other k's disagree by name."""
-    detail = ",".join(f"{m.numel}:{m.plan.k if m.compressed else -1}" for m in plan.members)
+    detail = ",".join(f"{m.numel}:{m.plan.k if m.compressed else -1}:{m.plan.exchange}" for m in plan.members)
     # 20 bits: the fingerprint also holds the product of the "shape", which must stay within int64
     checksum = zlib.crc32(detail.encode("ascii")) & 0xFFFFF
     total_k = sum(m.plan.k for m in plan.compressed) if plan.compressed else None  # type: ignore[misc]
-    return fingerprint(config, (plan.numel, len(plan.members), checksum), dtype, step, total_k, plan.exchange)
+    route = plan.exchange if plan.exchange != "mixed" else None  # the checksum above names each member's
+    return fingerprint(config, (plan.numel, len(plan.members), checksum), dtype, step, total_k, route)

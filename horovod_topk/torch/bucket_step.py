@@ -1,8 +1,9 @@
 """One bucket plan (core.bucket_plan) executed on one step over the bucket's flat gradient buffer.
 
 A front end that is handed whole buckets (the DDP communication hook) asks core for the plan, builds a
-:class:`BucketStep`, hands :attr:`BucketStep.payload` and :attr:`BucketStep.dense` to its collectives (one allgather,
-one allreduce), and calls :meth:`BucketStep.finish` with what they returned. The step never calls a collective
+:class:`BucketStep`, hands :attr:`BucketStep.payload`, :attr:`BucketStep.sparse` and :attr:`BucketStep.dense` to its
+collectives (one allgather; the sparse allreduce's alltoall and allgather; one allreduce), and calls
+:meth:`BucketStep.finish` with what they returned. The step never calls a collective
 itself, so it can be tested and timed without a process group, and the same executor serves any collective library.
 
 Each compressed member is compensated and selected on its own (``TorchResiduals._select``: its own k, residual,
@@ -16,8 +17,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.bucket_plan import BucketPlan, MemberPlan
+from ..core.exchange import SPARSE_ALLREDUCE
 from ..core.pending import reduction_scale
+from .exchange import ExchangeRequest
 from .selection import decompress_tensor
+from .sparse_allreduce import SparseRounds
 
 __all__ = ["BucketStep"]
 
@@ -43,6 +47,7 @@ class BucketStep:
         #: (member, layout, wire dtype, backend) of each compressed member, in plan order.
         self._selected: List[Tuple[MemberPlan, Any, torch.dtype, Any]] = []
         payloads: List[torch.Tensor] = []
+        sparse: List[ExchangeRequest] = []
         for member, shape in zip(plan.members, shapes):
             record = state.registry.record(member.name, tuple(shape))
             flat = buffer[member.offset:member.end]
@@ -54,14 +59,20 @@ class BucketStep:
                 state._send_leftovers(record, flat)
                 continue
             assert member.plan.k is not None
-            payload, layout, wire_dtype, backend, _ = state._select(member.name, record, flat, flat, member.plan.k,
-                                                                     world_size, "average")
+            payload, layout, wire_dtype, backend, residual = state._select(member.name, record, flat, flat,
+                                                                            member.plan.k, world_size, "average")
+            record.exchange = member.plan.exchange
+            if member.plan.exchange == SPARSE_ALLREDUCE:  # its rounds count its bytes
+                sparse.append(ExchangeRequest(member.name, payload, layout, wire_dtype, flat, (member.numel,),
+                                              self.scale, world_size, None, backend, residual, record))
+                continue
             record.bytes_sent += payload.numel()
-            record.exchange = plan.exchange
             payloads.append(payload)
             self._selected.append((member, layout, wire_dtype, backend))
-        #: This rank's share of the bucket's allgather (uint8), or None when no member is compressed.
+        #: This rank's share of the bucket's allgather (uint8), or None when no member takes the allgather.
         self.payload: Optional[torch.Tensor] = torch.cat(payloads) if payloads else None
+        #: The sparse allreduce of the members that take it (its send blocks are ready), or None.
+        self.sparse: Optional[SparseRounds] = SparseRounds(sparse) if sparse else None
         #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
         #: itself, in place, when every member is dense: DDP's own allreduce, bit for bit), or None.
         self.dense: Optional[torch.Tensor] = None
@@ -75,9 +86,11 @@ class BucketStep:
     def all_dense(self) -> bool:
         return self.dense is self.buffer
 
-    def finish(self, gathered: Optional[torch.Tensor], dense_sum: Optional[torch.Tensor]) -> torch.Tensor:
+    def finish(self, gathered: Optional[torch.Tensor], dense_sum: Optional[torch.Tensor],
+               owners: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Write the bucket's averaged gradients over the buffer from the allgather of every rank's payload
-        (``gathered``, P payloads back to back) and the sum-allreduce of :attr:`dense`; returns the buffer."""
+        (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, and the sparse allreduce's
+        allgather of the owners' kept sums (``owners``); returns the buffer."""
         if self._selected:
             assert gathered is not None and self.payload is not None
             per_rank = self.payload.numel()
@@ -91,6 +104,11 @@ class BucketStep:
                 decompress_tensor(backend, rows[:, start:end].contiguous().view(-1), self.world_size, layout,
                                   wire_dtype, self.scale, self.buffer[member.offset:member.end])
                 start = end
+        if self.sparse is not None:
+            assert owners is not None
+            rows = self.sparse.gathered_rows(owners)
+            for i in range(len(self.sparse.requests)):
+                self.sparse.apply(i, rows)  # written over the member's slice of the buffer
         if dense_sum is not None and not self.all_dense:
             at = 0
             for member in self.plan.dense:

@@ -7,8 +7,10 @@
 DDP hands the hook one bucket at a time (its buckets of ~25 MiB of gradients, launched in order while backward
 still runs). Per bucket the hook asks core for one plan (core.bucket_plan: which members are compressed, their k
 and payload layouts, which go dense), compensates and selects every compressed member into one payload
-(torch.bucket_step), sends it with one ``all_gather_into_tensor`` and the dense members with one ``all_reduce``,
-and returns the Future DDP waits on, with the averaged gradients written over the bucket.
+(torch.bucket_step), sends it with one ``all_gather_single`` (or, for the members whose exchange is the sparse
+allreduce, one ``all_to_all_single`` to region owners and one ``all_gather_single`` of their kept sums) and the
+dense members with one ``all_reduce``, and returns the Future DDP waits on, with the averaged gradients written
+over the bucket. Which exchange a member takes is core's cost model's choice (core.exchange), as under Horovod.
 
 Residuals live in the same registry as Horovod's (core.CompressorState), keyed by *parameter*, never by bucket
 index: DDP rebuilds its buckets after the first iteration (in the order gradients became ready), and a checkpoint
@@ -21,8 +23,11 @@ This module imports no Horovod: a DDP user needs torch and horovod-topk only.
 
 What it does not do (refused by name): ``ratio="auto"`` (its probes are built on Horovod's collectives) and
 ``target="update"`` (the hook sees gradients, never the optimizer's step: use Horovod's DistributedOptimizer for
-update mode). The exchange is the allgather (each rank's k entries to every rank); the sparse allreduce is not
-offered here (``exchange="sparse_allreduce"`` is refused), so the dense-fallback rule weighs allgather against dense.
+update mode).
+
+The sparse allreduce's alltoall is waited for inside the hook (its owners' sums must be computed before their
+allgather starts, and every collective is issued from the hook's thread so that all ranks issue them in one
+order); its allgather and the bucket's other collectives complete asynchronously while backward goes on.
 """
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook checks the hook's annotations as
 # objects (dist.GradBucket, torch.futures.Future[torch.Tensor]), not strings.
@@ -79,9 +84,6 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
             raise ValueError("horovod-topk: target='update' is not available in the DDP hook: a communication hook "
                              "sees gradients, never the optimizer's step. Use target='gradient' here, or Horovod's "
                              "hvd.DistributedOptimizer(..., compression=TopKEF(target='update')).")
-        if config.exchange == "sparse_allreduce":
-            raise ValueError("horovod-topk: exchange='sparse_allreduce' is not available in the DDP hook; use "
-                             "exchange='auto' or 'allgather' (the hook sends each bucket's entries by allgather)")
         #: The process group DDP reduces over (None: the default group). Not part of any checkpoint.
         self.process_group = process_group
         #: id(parameter) -> (weak reference, name): residuals follow parameters, not DDP's bucket indices.
@@ -141,7 +143,7 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         value_dtype = self._wire_dtype(buffer) if buffer.is_floating_point() else buffer.dtype
         return plan_bucket(members, self.config, is_floating=buffer.is_floating_point(), world_size=world_size,
                            step=step, value_itemsize=dtype_token(value_dtype).element_size(),
-                           grad_itemsize=buffer.element_size())
+                           grad_itemsize=buffer.element_size(), sparse_available=True)
 
     # ---- CompressorState hooks ----------------------------------------------------------------------------
     def _forget_agreements(self) -> None:
@@ -183,8 +185,8 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
     ``ddp_model.register_comm_hook(state, topk_ef_hook)``.
 
     Every member is compensated with its residual and its k largest entries selected (its own k, as core's
-    policy decides per tensor); the bucket's payloads travel as one allgather, its dense members (small tensors,
-    warm-up steps, ratio 1) as one allreduce. At ratio 1 every member is dense and the bucket is reduced exactly as
+    policy decides per tensor); the bucket's payloads travel as one allgather (or one sparse allreduce, where
+    core's cost model prefers it), its dense members (small tensors, warm-up steps, ratio 1) as one allreduce. At ratio 1 every member is dense and the bucket is reduced exactly as
     DDP's default allreduce does it (divide, then sum), bit for bit.
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -208,13 +210,21 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
     if step.payload is not None:
         gathered = torch.empty(world_size * step.payload.numel(), dtype=torch.uint8, device=buffer.device)
         futures.append(_all_gather_single(gathered, step.payload, group=group, async_op=True).get_future())
+    owners = None
+    if step.sparse is not None:
+        send = step.sparse.send.view(-1)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)  # equal splits: every block has the same capacity
+        owned = step.sparse.owned(received)
+        owners = torch.empty(world_size * owned.numel(), dtype=torch.uint8, device=buffer.device)
+        futures.append(_all_gather_single(owners, owned, group=group, async_op=True).get_future())
     if step.dense is not None:
         futures.append(dist.all_reduce(step.dense, group=group, async_op=True).get_future())
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
         for fut in done.value():
             fut.value()  # raises the collective's error, if any
-        return step.finish(gathered, step.dense)
+        return step.finish(gathered, step.dense, owners)
 
     return torch.futures.collect_all(futures).then(finish)
 

@@ -32,7 +32,7 @@ from ..core.naming import alltoall_name, owners_allgather_name
 from . import ops
 from .exchange import ExchangeRequest
 
-__all__ = ["SparseAllreduce", "SparseAllreduceFlight", "SparseAllreduceHandle", "regions"]
+__all__ = ["SparseAllreduce", "SparseAllreduceFlight", "SparseAllreduceHandle", "SparseRounds", "regions"]
 
 
 def regions(indices: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -148,31 +148,84 @@ def _columns(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
     return buffers[0] if len(buffers) == 1 else torch.cat(list(buffers), dim=1)
 
 
-class SparseAllreduceFlight:
-    """One sparse allreduce in flight: one tensor's, or a bucket's (the members side by side in both phases)."""
+class SparseRounds:
+    """The arithmetic of one sparse allreduce over ``requests`` (one tensor, or a bucket's members side by side),
+    with no collective in it: the Horovod flight below and the DDP hook (torch.ddp) each issue the two collectives
+    their own way and hand what arrived back here.
 
-    def __init__(self, requests: Sequence[ExchangeRequest], name: str, exchange: "SparseAllreduce") -> None:
-        from horovod.torch.mpi_ops import alltoall_async
+    1. :attr:`send` -- this rank's blocks, one row per destination (alltoall them, equal splits);
+    2. :meth:`owned` -- from the (P, width) rows received, this rank's kept sums of every member (allgather them);
+    3. :meth:`apply` -- from every owner's kept sums, member ``i``'s reduced gradient written over its output.
+    """
 
+    def __init__(self, requests: Sequence[ExchangeRequest]) -> None:
         self.requests = list(requests)
-        self.name = name
-        self._exchange = exchange
-        first = self.requests[0]
-        self.world_size = first.world_size
+        self.world_size = self.requests[0].world_size
         self.layouts = [SparseAllreduceLayouts(r.layout.k, r.world_size, r.layout.value_itemsize, r.out.numel())
                         for r in self.requests]
-        self._send_offsets = _offsets([l.send.nbytes for l in self.layouts])
-        self._kept_offsets = _offsets([l.kept.nbytes for l in self.layouts])
+        self.send_offsets = _offsets([l.send.nbytes for l in self.layouts])
+        self.kept_offsets = _offsets([l.kept.nbytes for l in self.layouts])
         blocks, self._sent = [], []
         for request, layouts in zip(self.requests, self.layouts):
             buf, sent_indices, sent_values = _blocks(request, layouts)
             blocks.append(buf)
             self._sent.append((sent_indices, sent_values))
             request.record.bytes_sent += layouts.alltoall_nbytes + layouts.kept.nbytes
-        buf = _columns(blocks).contiguous()
+        #: (P, width) uint8: row r goes to rank r.
+        self.send = _columns(blocks).contiguous()
+
+    def mismatch(self, what: str, received: int, expected: int) -> PayloadSizeMismatch:
+        names = ", ".join(r.name for r in self.requests)
+        return PayloadSizeMismatch(
+            f"horovod-topk: ranks disagree about {names!r}: the sparse allreduce's {what} received {received} "
+            f"bytes, this rank expects {expected} (k={', '.join(str(r.layout.k) for r in self.requests)}). Check "
+            f"that every rank uses the same TopKEF configuration and the same model."
+        )
+
+    def owned(self, received: torch.Tensor) -> torch.Tensor:
+        """This rank's kept sums of every member, one row (flat uint8), from the alltoall's ``received`` bytes."""
+        width = self.send_offsets[-1]
+        if received.numel() != self.world_size * width:
+            raise self.mismatch("alltoall", received.numel(), self.world_size * width)
+        rows = received.view(self.world_size, width)
+        kept = [_owned_sums(request, layouts, rows[:, start:end])
+                for request, layouts, start, end in zip(self.requests, self.layouts, self.send_offsets,
+                                                        self.send_offsets[1:])]
+        return _columns(kept).reshape(-1)
+
+    def gathered_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The allgather of every owner's :meth:`owned` row as (P, width), checked."""
+        width = self.kept_offsets[-1]
+        if gathered.numel() != self.world_size * width:
+            if len(self.requests) == 1:
+                kept = self.layouts[0].kept
+                raise PayloadSizeMismatch(kept.mismatch_message(self.requests[0].name, self.world_size,
+                                                                gathered.numel()))
+            raise self.mismatch("allgather", gathered.numel(), self.world_size * width)
+        return gathered.view(self.world_size, width)
+
+    def apply(self, member: int, rows: torch.Tensor) -> torch.Tensor:
+        """Member ``member``'s reduced gradient from :meth:`gathered_rows`; its unkept entries back to its residual."""
+        start, end = self.kept_offsets[member], self.kept_offsets[member + 1]
+        sent_indices, sent_values = self._sent[member]
+        return _apply(self.requests[member], self.layouts[member], rows[:, start:end], sent_indices, sent_values)
+
+
+class SparseAllreduceFlight:
+    """One sparse allreduce in flight: one tensor's, or a bucket's (the members side by side in both phases)."""
+
+    def __init__(self, requests: Sequence[ExchangeRequest], name: str, exchange: "SparseAllreduce") -> None:
+        from horovod.torch.mpi_ops import alltoall_async
+
+        self.name = name
+        self._exchange = exchange
+        self.rounds = SparseRounds(requests)
+        self.requests = self.rounds.requests
+        self.world_size = self.rounds.world_size
+        buf = self.rounds.send
         splits = torch.full((self.world_size,), buf.shape[1], dtype=torch.int32)
         self._phase1: Optional[Any] = alltoall_async(buf.view(-1), splits=splits, name=alltoall_name(name),
-                                                     process_set=first.process_set)
+                                                     process_set=self.requests[0].process_set)
         self._phase2: Optional[Any] = None
         self._gathered: Optional[torch.Tensor] = None
         self._results: List[Optional[torch.Tensor]] = [None] * len(self.requests)
@@ -189,28 +242,13 @@ class SparseAllreduceFlight:
             self._exchange.phase2_started_early += 1
             self.start_phase2()
 
-    def _mismatch(self, what: str, received: int, expected: int) -> PayloadSizeMismatch:
-        names = ", ".join(r.name for r in self.requests)
-        return PayloadSizeMismatch(
-            f"horovod-topk: ranks disagree about {names!r}: the sparse allreduce's {what} received {received} "
-            f"bytes, this rank expects {expected} (k={', '.join(str(r.layout.k) for r in self.requests)}). Check "
-            f"that every rank uses the same TopKEF configuration and the same model."
-        )
-
     def start_phase2(self) -> None:
         from horovod.torch.mpi_ops import allgather_async, synchronize
 
         received = synchronize(self._phase1)
         self._phase1 = None
         received = received[0] if isinstance(received, (tuple, list)) else received
-        width = self._send_offsets[-1]
-        if received.numel() != self.world_size * width:
-            raise self._mismatch("alltoall", received.numel(), self.world_size * width)
-        rows = received.view(self.world_size, width)
-        kept = [_owned_sums(request, layouts, rows[:, start:end])
-                for request, layouts, start, end in zip(self.requests, self.layouts, self._send_offsets,
-                                                        self._send_offsets[1:])]
-        self._phase2 = allgather_async(_columns(kept).reshape(-1), name=owners_allgather_name(self.name),
+        self._phase2 = allgather_async(self.rounds.owned(received), name=owners_allgather_name(self.name),
                                        process_set=self.requests[0].process_set)
 
     def result(self, member: int) -> torch.Tensor:
@@ -226,19 +264,8 @@ class SparseAllreduceFlight:
         if self._phase1 is not None:  # a flight its exchange abandoned (a loaded state) still finishes when called
             self.start_phase2()
         if self._gathered is None:
-            gathered = synchronize(self._phase2)
-            width = self._kept_offsets[-1]
-            if gathered.numel() != self.world_size * width:
-                if len(self.requests) == 1:
-                    kept = self.layouts[0].kept
-                    raise PayloadSizeMismatch(kept.mismatch_message(self.requests[0].name, self.world_size,
-                                                                    gathered.numel()))
-                raise self._mismatch("allgather", gathered.numel(), self.world_size * width)
-            self._gathered = gathered.view(self.world_size, width)
-        start, end = self._kept_offsets[member], self._kept_offsets[member + 1]
-        sent_indices, sent_values = self._sent[member]
-        self._results[member] = _apply(self.requests[member], self.layouts[member], self._gathered[:, start:end],
-                                       sent_indices, sent_values)
+            self._gathered = self.rounds.gathered_rows(synchronize(self._phase2))
+        self._results[member] = self.rounds.apply(member, self._gathered)
         return self._results[member]
 
 
