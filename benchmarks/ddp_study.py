@@ -4,15 +4,19 @@ the same job: bytes on the wire per step and rank, step time, and (on the langua
     python benchmarks/ddp_study.py --task gptlm --workers 2 --steps 400 --seeds 0 1 2 \
         --methods dense topk0.01 topkc0.027 powersgd1 --json results/ddp_gptlm.json
     python benchmarks/ddp_study.py --task mlp --workers 4 --steps 10 --methods dense fp16 topk0.01 powersgd1
+    scripts/testbed.sh run 4 --rate 100mbit -- python benchmarks/ddp_study.py --task mlp --steps 10 \
+        --master 10.77.0.1 --methods dense fp16 topk0.01 powersgd1       # one worker per test-bed host (root)
 
 Methods: ``dense`` (DDP without a hook), ``fp16`` (torch's fp16_compress_hook), ``topk<ratio>`` (TopKEFState, 8-byte
 entries), ``topkc<ratio>`` (TopKEFState with the compact encoding: 16-bit indices and float8 values, 3 bytes an
-entry, so 0.027 costs about what 0.01 costs in 8-byte entries), ``powersgd<rank>`` (torch's PowerSGD hook, error
+entry, so 0.027 costs about what 0.01 costs in 8-byte entries), ``topks<ratio>`` (the sparse allreduce for every
+compressed tensor; ``topk`` lets the cost model choose), ``powersgd<rank>`` (torch's PowerSGD hook, error
 feedback and warm start on, dense for the first 2 steps as its default ``start_powerSGD_iter`` requires).
 
 Workers are real torch.distributed processes (Gloo) on this machine's loopback; the bytes are what the loopback
 interface carried during the timed steps (/proc/net/dev, every rank's traffic) divided by the number of workers,
-so they include Gloo's own framing, and every method is measured by the same counter. Tasks: ``gptlm`` and
+so they include Gloo's own framing, and every method is measured by the same counter. Started by mpirun (the test
+bed: ``--master`` is rank 0's address), each worker counts what its own eth0 sent, averaged over the workers. Tasks: ``gptlm`` and
 ``charlm`` (benchmarks/lm_tasks.py: real text, the user's AdamW/Adam and schedule), ``mlp`` (a 4-layer MLP of
 ``--width``, random data: time and bytes only). Every worker shares this machine's cores: step times are
 compute-bound here and only their ratios mean something.
@@ -40,13 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def loopback_bytes() -> int:
-    """Bytes sent over the loopback interface since boot."""
+def sent_bytes(iface: str) -> int:
+    """Bytes ``iface`` sent since it came up (in this process's network namespace)."""
     for line in Path("/proc/net/dev").read_text().splitlines():
         name, _, rest = line.partition(":")
-        if name.strip() == "lo":
+        if name.strip() == iface:
             return int(rest.split()[8])
-    raise RuntimeError("no loopback interface in /proc/net/dev")
+    raise RuntimeError(f"no interface {iface!r} in /proc/net/dev")
 
 
 class MLP(nn.Module):
@@ -94,6 +98,8 @@ def register(method: str, ddp: nn.Module) -> Any:
         return None
     if method.startswith("topkc"):
         state = TopKEFState(ratio=float(method[5:]), index_bits=16, value_dtype="float8")
+    elif method.startswith("topks"):
+        state = TopKEFState(ratio=float(method[5:]), exchange="sparse_allreduce")
     elif method.startswith("topk"):
         state = TopKEFState(ratio=float(method[4:]))
     elif method.startswith("powersgd"):
@@ -107,9 +113,9 @@ def register(method: str, ddp: nn.Module) -> Any:
     return state
 
 
-def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
+def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str, iface: str = "lo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=300))
     if args.task == "mlp":
         task: Any = MLPTask(args.width)
@@ -121,28 +127,35 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
     for method in args.methods:
         for seed in args.seeds:
             model, opt, sched = task.build(seed, args.steps)
-            ddp = nn.parallel.DistributedDataParallel(model)
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
             state = register(method, ddp)
             gen = torch.Generator().manual_seed(1000 * seed + rank)
             timed_from = min(args.warmup, args.steps - 1)
             for step in range(args.steps):
                 if step == timed_from:
                     dist.barrier()
-                    wire, started = loopback_bytes(), time.perf_counter()
+                    wire, started = sent_bytes(iface), time.perf_counter()
                 opt.zero_grad()
                 task.loss(ddp, task.batch(gen)).backward()
                 opt.step()
                 if sched is not None:
                     sched.step()
             dist.barrier()
-            seconds, wire = time.perf_counter() - started, loopback_bytes() - wire
+            seconds, wire = time.perf_counter() - started, sent_bytes(iface) - wire
+            if iface == "lo":  # every rank's traffic: this rank's share
+                wire /= world_size
+            else:  # this rank's own link: the mean over ranks
+                total = torch.tensor([float(wire)], dtype=torch.float64)
+                dist.all_reduce(total)
+                wire = float(total) / world_size
             timed = args.steps - timed_from
             row = {"method": method, "seed": seed, "ms_per_step": 1000 * seconds / timed,
-                   "wire_bytes_per_step_rank": wire / timed / world_size, "valid_loss": task.validate(model),
+                   "wire_bytes_per_step_rank": wire / timed, "valid_loss": task.validate(model),
                    "parameters": sum(p.numel() for p in model.parameters())}
             if hasattr(state, "stats"):
                 stats = state.stats()
                 row["hook_compression_ratio"] = stats["compression_ratio"]
+                row["exchanges"] = stats["exchanges"]
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
@@ -157,7 +170,7 @@ def table(rows: List[Dict[str, Any]], workers: int, task: str, steps: int) -> st
         by_method.setdefault(row["method"], []).append(row)
     dense_bytes = statistics.mean(r["wire_bytes_per_step_rank"] for r in by_method.get("dense", rows))
     dense_loss = statistics.mean(r["valid_loss"] for r in by_method["dense"]) if "dense" in by_method else None
-    lines = [f"task {task}, {workers} workers (Gloo, loopback), {steps} steps, parameters "
+    lines = [f"task {task}, {workers} workers (Gloo), {steps} steps, parameters "
              f"{rows[0]['parameters']:,}",
              "| method | wire KB / step / rank | of dense | ms / step | validation loss (mean ± half-range) | vs dense |",
              "|---|---|---|---|---|---|"]
@@ -182,7 +195,25 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024, help="MLP width (--task mlp)")
     parser.add_argument("--methods", nargs="+", default=["dense", "fp16", "topk0.01", "powersgd1"])
     parser.add_argument("--json", default="")
+    parser.add_argument("--master", default="127.0.0.1", help="rank 0's address")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket_cap_mb (default: DDP's own). PowerSGD on Gloo needs the model in one "
+                             "bucket: its hook issues collectives from completion callbacks, which race with the "
+                             "next bucket's on Gloo (a collective size mismatch here; pytorch/pytorch#58467)")
     args = parser.parse_args()
+    if "OMPI_COMM_WORLD_RANK" in os.environ:  # one worker per test-bed host, started by mpirun
+        rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        out = f"/tmp/ddp_study_rows.{os.getpid()}.json"
+        worker(rank, size, 29533, args, out, iface="eth0")
+        if rank == 0:
+            rows = json.loads(Path(out).read_text())
+            Path(out).unlink()
+            print(table(rows, size, args.task, args.steps))
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
