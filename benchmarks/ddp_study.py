@@ -17,7 +17,8 @@ Workers are real torch.distributed processes (Gloo) on this machine's loopback; 
 interface carried during the timed steps (/proc/net/dev, every rank's traffic) divided by the number of workers,
 so they include Gloo's own framing, and every method is measured by the same counter. Started by mpirun (the test
 bed: ``--master`` is rank 0's address), each worker counts what its own eth0 sent, averaged over the workers. Tasks: ``gptlm`` and
-``charlm`` (benchmarks/lm_tasks.py: real text, the user's AdamW/Adam and schedule), ``mlp`` (a 4-layer MLP of
+``charlm`` (benchmarks/lm_tasks.py: real text, the user's AdamW/Adam and schedule), ``digits`` (the demo's CNN,
+SGD with momentum; the row also has the test accuracy), ``mlp`` (a 4-layer MLP of
 ``--width``, random data: time and bytes only). Every worker shares this machine's cores: step times are
 compute-bound here and only their ratios mean something.
 """
@@ -42,6 +43,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
 def sent_bytes(iface: str) -> int:
@@ -85,6 +87,42 @@ class MLPTask:
         return float("nan")
 
 
+class DigitsTask:
+    """The demo's digits CNN (examples/): each worker's shard of scikit-learn's digits, SGD with momentum at the
+    demo's rate; ``--steps`` counts optimizer steps. Validation: cross-entropy on the held-out split (``accuracy``
+    in the row too)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        from digits_data import load_split
+
+        self.rank, self.world_size = rank, world_size
+        self.load_split = load_split
+
+    def build(self, seed: int, steps: int) -> Tuple[nn.Module, Any, Any]:
+        from digits_model import DigitsCNN
+
+        x, y, xt, yt = self.load_split(seed, self.rank, self.world_size)
+        self.x, self.y = torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y)
+        self.xt, self.yt = torch.from_numpy(xt).unsqueeze(1), torch.from_numpy(yt)
+        torch.manual_seed(seed)
+        model = DigitsCNN()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05 * self.world_size, momentum=0.9), None
+
+    def batch(self, gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(self.x), (32,), generator=gen)
+        return self.x[idx], self.y[idx]
+
+    @staticmethod
+    def loss(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    def validate(self, model: nn.Module) -> float:
+        with torch.no_grad():
+            logits = model(self.xt)
+            self.accuracy = float((logits.argmax(1) == self.yt).float().mean())
+            return float(nn.functional.cross_entropy(logits, self.yt))
+
+
 def register(method: str, ddp: nn.Module) -> Any:
     """Install ``method``'s hook on ``ddp``; returns its state (or None)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -119,6 +157,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
                             timeout=timedelta(seconds=300))
     if args.task == "mlp":
         task: Any = MLPTask(args.width)
+    elif args.task == "digits":
+        task = DigitsTask(rank, world_size)
     else:
         from lm_tasks import make_task
 
@@ -152,6 +192,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
             row = {"method": method, "seed": seed, "ms_per_step": 1000 * seconds / timed,
                    "wire_bytes_per_step_rank": wire / timed, "valid_loss": task.validate(model),
                    "parameters": sum(p.numel() for p in model.parameters())}
+            if hasattr(task, "accuracy"):
+                row["accuracy"] = task.accuracy
             if hasattr(state, "stats"):
                 stats = state.stats()
                 row["hook_compression_ratio"] = stats["compression_ratio"]
@@ -181,13 +223,17 @@ def table(rows: List[Dict[str, Any]], workers: int, task: str, steps: int) -> st
         mean, half = statistics.mean(losses), (max(losses) - min(losses)) / 2
         loss = "n/a" if mean != mean else f"{mean:.4f} ± {half:.4f}"
         versus = "" if dense_loss is None or mean != mean else f"{100 * (mean / dense_loss - 1):+.1f}%"
+        if "accuracy" in rs[0]:
+            accuracies = [r["accuracy"] for r in rs]
+            versus += (f" (accuracy {statistics.mean(accuracies):.4f} ± "
+                       f"{(max(accuracies) - min(accuracies)) / 2:.4f})")
         lines.append(f"| {method} | {kb:,.1f} | {1e3 * kb / dense_bytes:.2%} | {ms:.1f} | {loss} | {versus} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", default="gptlm", choices=["gptlm", "charlm", "mlp"])
+    parser.add_argument("--task", default="gptlm", choices=["gptlm", "charlm", "digits", "mlp"])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones start")

@@ -14,23 +14,10 @@ import time
 import horovod.torch as hvd
 import torch
 from digits_data import load_split, parse_args, write_summary
+from digits_model import DigitsCNN
 from torch import nn
 
 from horovod_topk.torch import TopKEF
-
-
-class DigitsCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2),  # 8x8 -> 4x4
-        )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
 
 
 def main() -> None:
