@@ -46,7 +46,8 @@ from .state import TorchResiduals
 
 __all__ = ["TopKEFState", "topk_ef_hook", "gather_state", "restore_state"]
 
-#: Every rank's tensor into one output tensor (torch >= 2.12 names it all_gather_single and deprecates the old name).
+#: Every rank's tensor into one output tensor: torch 2.13 names it all_gather_single and deprecates
+#: all_gather_into_tensor; older torch has only the latter.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
