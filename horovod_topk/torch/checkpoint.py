@@ -19,17 +19,28 @@ import torch
 
 from ..core import checkpoint as core
 
-__all__ = ["gather_state", "restore_state", "ElasticStateHandler", "register_elastic_handler"]
+__all__ = ["gather_state", "restore_state", "ElasticStateHandler", "register_elastic_handler", "TorchTensors"]
 
 
-class _TorchTransport(core.ObjectCollectives):
+class TorchTensors:
+    """The tensor-side parts of a core.checkpoint Transport that do not depend on the collectives (shared by the
+    Horovod transport here and the DDP hook's torch.distributed one)."""
+
+    def describe(self, value: torch.Tensor) -> Dict[str, Any]:
+        return {"numel": int(value.numel()), "dtype": str(value.dtype).replace("torch.", "")}
+
+    def mean(self, values: List[torch.Tensor], factor: float) -> torch.Tensor:
+        total = torch.zeros(values[0].numel(), dtype=torch.float64)
+        for v in values:
+            total += v.reshape(-1).double()
+        return (total * (factor / len(values))).to(values[0].dtype)
+
+
+class _TorchTransport(TorchTensors, core.ObjectCollectives):
     def __init__(self) -> None:
         import horovod.torch as hvd
 
         super().__init__(hvd)
-
-    def describe(self, value: torch.Tensor) -> Dict[str, Any]:
-        return {"numel": int(value.numel()), "dtype": str(value.dtype).replace("torch.", "")}
 
     def _splits(self, counts: Dict[int, int]) -> torch.Tensor:
         return torch.tensor([counts.get(r, 0) for r in range(self.size)], dtype=torch.int32)
@@ -54,12 +65,6 @@ class _TorchTransport(core.ObjectCollectives):
         dtype = getattr(torch, like["dtype"])
         tensor = value.reshape(-1).to(dtype) if value is not None else torch.empty(like["numel"], dtype=dtype)
         return self.hvd.broadcast(tensor, root_rank=root, name=f"topk.ckpt.b.{key}")
-
-    def mean(self, values: List[torch.Tensor], factor: float) -> torch.Tensor:
-        total = torch.zeros(values[0].numel(), dtype=torch.float64)
-        for v in values:
-            total += v.reshape(-1).double()
-        return (total * (factor / len(values))).to(values[0].dtype)
 
 
 def gather_state(compressor: Any, root_rank: int = 0) -> Optional[Dict[str, Any]]:

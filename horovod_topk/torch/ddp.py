@@ -41,6 +41,7 @@ from ..core import CompressorState, RankMismatch, mismatch_message
 from ..core import checkpoint as core_checkpoint
 from ..core.bucket_plan import BucketPlan, bucket_fingerprint, plan_bucket
 from .bucket_step import BucketStep
+from .checkpoint import TorchTensors
 from .selection import dtype_token
 from .state import TorchResiduals
 
@@ -231,7 +232,7 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
 
 
 # ---- checkpoints of every rank -------------------------------------------------------------------------------
-class _DistTransport:
+class _DistTransport(TorchTensors):
     """core.checkpoint's collectives over torch.distributed (CPU tensors on Gloo; the device's on NCCL)."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
@@ -250,9 +251,6 @@ class _DistTransport:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, root) if self.group is not None else root,
                                    group=self.group)
         return box[0]
-
-    def describe(self, value: torch.Tensor) -> Dict[str, Any]:
-        return {"numel": int(value.numel()), "dtype": str(value.dtype).replace("torch.", "")}
 
     def gather(self, value: torch.Tensor, root: int, key: str) -> Optional[List[torch.Tensor]]:
         flat = value.reshape(-1).contiguous().to(self.device)
@@ -275,12 +273,6 @@ class _DistTransport:
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
         dist.broadcast(tensor, src=src, group=self.group)
         return tensor.cpu()
-
-    def mean(self, values: List[torch.Tensor], factor: float) -> torch.Tensor:
-        total = torch.zeros(values[0].numel(), dtype=torch.float64)
-        for v in values:
-            total += v.reshape(-1).double()
-        return (total * (factor / len(values))).to(values[0].dtype)
 
 
 def _transport(state: TopKEFState) -> _DistTransport:
