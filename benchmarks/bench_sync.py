@@ -33,18 +33,19 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_compress import MODELS  # noqa: E402  (the same real layer shapes)
+from horovod_topk.core.buckets import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 METHODS = ["dense", "topk", "topk-per-tensor", "topk-allgather", "topk-allgather-per-tensor",
            "topk-sparse_allreduce", "topk-sparse_allreduce-per-tensor"]
 
 
-def _compression(method: str, ratio: float):
+def _compression(method: str, ratio: float, bucket_bytes: int):
     import horovod.torch as hvd
     from horovod_topk.torch import TopKEF
 
     if method == "dense":
         return hvd.Compression.none
-    options: Dict[str, object] = {"ratio": ratio}
+    options: Dict[str, object] = {"ratio": ratio, "bucket_bytes": bucket_bytes}
     name = method[len("topk"):]
     if name.endswith("-per-tensor"):
         options["bucket_bytes"] = 0
@@ -69,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
         p.grad = torch.zeros_like(p)
     optimizers = {}
     for method in args.methods:
-        compression = _compression(method, args.ratio)
+        compression = _compression(method, args.ratio, args.bucket_bytes)
         optimizers[method] = (hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), named_parameters=named,
                                                        compression=compression), compression)
     residuals = [torch.zeros_like(g) for g in grads]
@@ -116,6 +117,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["dense", "topk", "topk-per-tensor"], choices=METHODS)
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
+                        help="TopKEF's bucket_bytes for the bucketed methods (default: its own, 25 MiB)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="also write the raw rows here")
@@ -130,6 +133,7 @@ def main() -> None:
     for model in args.models:
         command = ["horovodrun", "-np", str(args.workers), "-H", f"localhost:{args.workers}", "--gloo",
                    sys.executable, __file__, "--worker", "--model", model, "--ratio", str(args.ratio),
+                   "--bucket-bytes", str(args.bucket_bytes),
                    "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--methods", *args.methods]
         out = subprocess.run(command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
         lines = [l for l in out.stdout.splitlines() if "RESULT " in l]

@@ -90,6 +90,9 @@ class _Geometry:
         self.base = as_tensor(self.base_list[:-1])
         self.total = self.base_list[-1]
         self.entry_member = torch.repeat_interleave(torch.arange(len(members), device=device), as_tensor(self.k))
+        # per entry of this rank's payloads, in the member-major order phase 1 sorts them into: static, since every
+        # member has exactly k entries
+        self.entry_base = self.base[self.entry_member]
         self.capacity = as_tensor([m.capacity for m in members])
         self.kept = as_tensor([m.kept for m in members])
         self.kept_list = [m.kept for m in members]
@@ -107,6 +110,7 @@ class _Geometry:
                                            [m.capacity for m in members], itemsize, device)
         self.recv_member = torch.repeat_interleave(torch.arange(len(members), device=device),
                                                    as_tensor([P * m.capacity for m in members]))
+        self.recv_base = self.base[self.recv_member]
         # phase 2's output: this rank's kept payload of every member (one row)
         self.own_index = _field_positions(1, kept_width, [m.kept_at for m in members], self.kept_list, 4, device)
         self.own_value = _field_positions(1, kept_width, [m.kept_at + m.kept_values for m in members],
@@ -164,16 +168,19 @@ def _aligned(buf: torch.Tensor) -> torch.Tensor:
 def _rank_within_members(member: torch.Tensor, priority: torch.Tensor, real: torch.Tensor, members: int
                          ) -> torch.Tensor:
     """The order that lists every member's entries together (members ascending) and, within a member, by
-    ``priority`` descending, ties to the earlier position; entries not ``real`` last. One stable sort of a
-    composite key when the priorities are float32 (the bits of a non-negative float order like the float), two
-    stable sorts otherwise."""
-    if priority.dtype == torch.float32:
-        descending = 0x7FFFFFFF - priority.view(torch.int32).long()  # priority >= 0: its bits ascend with it
-        key = torch.where(real, member * (1 << 31) + descending, torch.full_like(member, members << 31))
-        return torch.argsort(key, stable=True)
-    priority = torch.where(real, priority, torch.full_like(priority, -1.0))
-    by_priority = torch.argsort(priority, descending=True, stable=True)
-    return by_priority[torch.argsort(member[by_priority], stable=True)]
+    ``priority`` (>= 0) descending, ties to the earlier position; entries not ``real`` last: a stable sort by
+    priority, then a stable sort by member."""
+    if priority.dtype == torch.float32:  # sorting 32-bit keys is several times faster than 64-bit ones here
+        order = torch.argsort(0x7FFFFFFF - priority.view(torch.int32), stable=True)  # bits ascend with priority >= 0
+    else:
+        order = torch.argsort(priority, descending=True, stable=True)
+    member = torch.where(real, member, torch.full_like(member, members))[order]
+    return order[torch.argsort(member.to(_small_int(members + 1)), stable=True)]
+
+
+def _small_int(bound: int) -> torch.dtype:
+    """The narrowest integer dtype that holds 0 .. ``bound``: sorts of narrow keys are much faster."""
+    return torch.int16 if bound < 2**15 else torch.int32 if bound < 2**31 else torch.int64
 
 
 def _members_where(mask: torch.Tensor, member: torch.Tensor, members: int) -> List[int]:
@@ -213,14 +220,14 @@ class _Group:
         indices = torch.cat([i.reshape(-1) for i, _ in unpacked]).long()
         values = torch.cat([v.reshape(-1) for _, v in unpacked])
         key = geo.entry_member * P + regions(indices, P)  # member-major, then owner
-        order = torch.argsort(key, stable=True)  # keeps each member's entries in their selection order
+        order = torch.argsort(key.to(_small_int(len(geo.members) * P)), stable=True)  # keeps selection order
         key_sorted = key[order]
         counts = torch.bincount(key, minlength=len(geo.members) * P)
         slot = torch.arange(order.numel(), device=order.device) - (torch.cumsum(counts, 0) - counts)[key_sorted]
-        member, owner = key_sorted // P, key_sorted % P
+        member, owner = geo.entry_member, key_sorted - geo.entry_member * P  # sorted member-major: member is static
         self.sent_indices, self.sent_values = indices[order], values[order]
         self.fits = slot < geo.capacity[member]
-        self.sent_keys = self.sent_indices + geo.base[member]
+        self.sent_keys = self.sent_indices + geo.entry_base
         width = (buf.numel() - 8) // P  # bytes per row of the alltoall
         _scatter_into(buf, torch.int32, owner * (width // 4) + geo.send_index_at[member] + slot, self.fits,
                       self.sent_indices)
@@ -240,13 +247,14 @@ class _Group:
         geo = self.geometry
         indices = received.view(torch.int32)[geo.recv_index].long()
         used = indices >= 0
-        keys = torch.where(used, indices + geo.base[geo.recv_member], torch.full_like(indices, geo.total))
+        keys = torch.where(used, indices + geo.recv_base, torch.full_like(indices, geo.total))
         values = torch.where(used, received.view(self.wire_dtype)[geo.recv_value].to(self.acc_dtype),
                              torch.zeros((), dtype=self.acc_dtype, device=indices.device))
-        unique, inverse = torch.unique(keys, return_inverse=True)  # ascending: member by member, then index
+        unique, inverse = torch.unique(keys.to(_small_int(geo.total)), return_inverse=True)  # member by member
+        unique = unique.long()
         sums = torch.zeros(unique.numel(), dtype=self.acc_dtype, device=keys.device).index_add_(0, inverse, values)
         real = unique < geo.total
-        member = torch.searchsorted(geo.base, unique, right=True) - 1
+        member = torch.zeros_like(unique).scatter_(0, inverse, geo.recv_member)  # every key has one member
         priority = torch.where(torch.isfinite(sums), sums.abs(), torch.full_like(sums, float("inf")))
         ranked = _rank_within_members(member, priority, real, len(geo.members))
         # the k-th kept sum of member j is the k-th of its run in ``ranked``: static positions, fixed sizes
