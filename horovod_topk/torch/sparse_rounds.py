@@ -12,8 +12,10 @@ per bucket layout and cached.
 
 Each member keeps its own k, per-destination capacity and kept count, so a member's result does not depend on its
 bucket-mates: a bucket of one is the per-tensor sparse allreduce. Within an owner's region the largest sums win,
-non-finite sums first, ties to the lower index (a stable sort). No host synchronisation on CUDA tensors: positions
-that must not be written are sent to a scratch slot instead of being filtered out, and masked values are zeros.
+non-finite sums first, ties to the lower index (a stable sort). On an accelerator nothing is filtered by a mask
+(positions that must not be written go to a scratch slot, masked values are zeros), so the only host
+synchronisations are the few of torch.unique and torch.bincount per bucket (their output sizes depend on the data),
+not several per member. (Not yet measured on a GPU.)
 
 Error feedback stays exact: entries over a destination's capacity go back to the sender's residual at once, an
 owner keeps the rounding of each kept sum to the wire dtype, and after phase 2 each rank returns to its residual its
