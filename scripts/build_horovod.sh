@@ -8,6 +8,12 @@ set -euo pipefail
 PY="$1"; VERSION="$2"; OUT="$3"
 log() { printf '[build_horovod] %s\n' "$*" >&2; }
 
+# A GPU build without nvcc would compile for minutes and then fail in CMake: stop first, saying what is missing.
+if [[ -n "${HOROVOD_GPU_OPERATIONS:-}" && ! -x "${HOROVOD_CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]]; then
+  log "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs nvcc in ${HOROVOD_CUDA_HOME:-/usr/local/cuda}/bin (set HOROVOD_CUDA_HOME)"
+  exit 1
+fi
+
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 log "fetching the horovod==$VERSION sdist"
@@ -42,7 +48,6 @@ if [[ -n "${HOROVOD_GPU_OPERATIONS:-}" ]]; then
   export HOROVOD_GPU="${HOROVOD_GPU:-CUDA}" HOROVOD_NCCL_LINK="${HOROVOD_NCCL_LINK:-SHARED}"
   export HOROVOD_CUDA_HOME="${HOROVOD_CUDA_HOME:-/usr/local/cuda}"
   export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-70,75,80,86,89,90}"
-  [[ -x "$HOROVOD_CUDA_HOME/bin/nvcc" ]] || { log "HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS needs nvcc in $HOROVOD_CUDA_HOME/bin"; exit 1; }
   log "GPU build: $HOROVOD_GPU_OPERATIONS collectives, CUDA in $HOROVOD_CUDA_HOME, compute capabilities $HOROVOD_BUILD_CUDA_CC_LIST"
 fi
 export MAKEFLAGS="-j$(nproc)"
