@@ -6,9 +6,10 @@ collectives (one allgather; the sparse allreduce's alltoall and allgather; one a
 :meth:`BucketStep.finish` with what they returned. The step never calls a collective
 itself, so it can be tested and timed without a process group, and the same executor serves any collective library.
 
-Each compressed member is compensated and selected on its own (``TorchResiduals._select``: its own k, residual,
-momentum and non-finite handling), so a member's result is what it would be alone; the bucket only decides that
-all payloads travel as one. Dense members carry their residual's leftovers and are averaged by one allreduce.
+Each compressed member keeps its own k, residual, momentum and non-finite handling, so a member's result is what it
+would be alone; the bucket decides that all payloads travel as one, and on a GPU that the allgather members are
+selected by one run of the grouped kernels (torch.bucket_select). Dense members carry their residual's leftovers
+and are averaged by one allreduce.
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.bucket_plan import BucketPlan, MemberPlan
+from ..core.bucket_plan import BucketPlan
 from ..core.exchange import SPARSE_ALLREDUCE
 from ..core.pending import reduction_scale
 from .exchange import ExchangeRequest
-from .selection import decompress_tensor
+from .bucket_select import BucketSelection
 from .sparse_allreduce import SparseRounds
 
 __all__ = ["BucketStep"]
@@ -44,9 +45,7 @@ class BucketStep:
         self.world_size = world_size
         self.scale = reduction_scale("average", 1.0, 1.0, world_size)
         itemsize = buffer.element_size()
-        #: (member, layout, wire dtype, backend) of each compressed member, in plan order.
-        self._selected: List[Tuple[MemberPlan, Any, torch.dtype, Any]] = []
-        payloads: List[torch.Tensor] = []
+        gathered: List[Tuple[str, Any, torch.Tensor, torch.Tensor, int]] = []
         sparse: List[ExchangeRequest] = []
         for member, shape in zip(plan.members, shapes):
             record = state.registry.record(member.name, tuple(shape))
@@ -59,18 +58,22 @@ class BucketStep:
                 state._send_leftovers(record, flat)
                 continue
             assert member.plan.k is not None
-            payload, layout, wire_dtype, backend, residual = state._select(member.name, record, flat, flat,
-                                                                            member.plan.k, world_size, "average")
             record.exchange = member.plan.exchange
             if member.plan.exchange == SPARSE_ALLREDUCE:  # its rounds count its bytes
+                payload, layout, wire_dtype, backend, residual = state._select(
+                    member.name, record, flat, flat, member.plan.k, world_size, "average")
                 sparse.append(ExchangeRequest(member.name, payload, layout, wire_dtype, flat, (member.numel,),
                                               self.scale, world_size, None, backend, residual, record))
                 continue
-            record.bytes_sent += payload.numel()
-            payloads.append(payload)
-            self._selected.append((member, layout, wire_dtype, backend))
+            gathered.append((member.name, record, flat, flat, member.plan.k))
+        #: The allgather members selected (torch.bucket_select: the grouped kernels on a GPU), or None.
+        self.selection: Optional[BucketSelection] = None
+        if gathered:
+            self.selection = BucketSelection(state, gathered, world_size, "average")
+            for m in self.selection.members:
+                m.record.bytes_sent += m.layout.nbytes
         #: This rank's share of the bucket's allgather (uint8), or None when no member takes the allgather.
-        self.payload: Optional[torch.Tensor] = torch.cat(payloads) if payloads else None
+        self.payload: Optional[torch.Tensor] = self.selection.payload if self.selection is not None else None
         #: The sparse allreduce of the members that take it (its send blocks are ready), or None.
         self.sparse: Optional[SparseRounds] = SparseRounds(sparse) if sparse else None
         #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
@@ -91,19 +94,13 @@ class BucketStep:
         """Write the bucket's averaged gradients over the buffer from the allgather of every rank's payload
         (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, and the sparse allreduce's
         allgather of the owners' kept sums (``owners``); returns the buffer."""
-        if self._selected:
+        if self.selection is not None:
             assert gathered is not None and self.payload is not None
             per_rank = self.payload.numel()
             if gathered.numel() != per_rank * self.world_size:
                 raise ValueError(f"horovod-topk: the bucket {self.plan.name!r} received {gathered.numel()} bytes, "
                                  f"this rank expects {self.world_size} x {per_rank}: ranks disagree about it")
-            rows = gathered.view(self.world_size, per_rank)
-            start = 0
-            for member, layout, wire_dtype, backend in self._selected:
-                end = start + layout.nbytes
-                decompress_tensor(backend, rows[:, start:end].contiguous().view(-1), self.world_size, layout,
-                                  wire_dtype, self.scale, self.buffer[member.offset:member.end])
-                start = end
+            self.selection.finish(gathered.view(self.world_size, per_rank), self.scale)
         if self.sparse is not None:
             assert owners is not None
             rows = self.sparse.gathered_rows(owners)

@@ -10,12 +10,19 @@ handle is an ordinary :class:`~.compressor.TopKHandle` whose wait returns that m
 gathered buffer (so every backend and the compact encoding decompress as per tensor), or its part of the sparse
 allreduce.
 
+On a GPU (members whose backend is the Triton one) an allgather member is not selected when it arrives: it waits,
+unselected, and when its bucket is complete all such members are selected by one run of the grouped kernels
+(torch.bucket_select) into the front of the bucket's payload; their handles add the gathered payloads back with
+one run too. Kernel launches queue on the device, so nothing is gained by launching each member's ~20 as it
+arrives; everything is gained by launching ~10 for the whole bucket.
+
 A bucket whose last member never arrives on a step (a parameter whose gradient Horovod sends another way, such as
 a sparse one) is sent with what it has when ``synchronize()`` first waits for one of its members: Horovod's
 optimizer starts every parameter's reduction before it waits for any, so every rank sends the same members.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -23,10 +30,27 @@ import torch
 from ..core import PayloadSizeMismatch
 from ..core.buckets import BucketLayout, BucketTable, bucket_collective_name
 from ..core.exchange import ALLGATHER, SPARSE_ALLREDUCE
+from .bucket_select import BucketSelection
 from .exchange import ExchangeRequest
 from .sparse_allreduce import SparseAllreduce, SparseAllreduceFlight
 
-__all__ = ["BucketFlight", "BucketedExchange", "BucketSparseHandle", "bucket_member_names"]
+__all__ = ["BucketFlight", "BucketedExchange", "BucketMemberHandle", "UnselectedMember", "bucket_member_names"]
+
+
+@dataclass
+class UnselectedMember:
+    """An allgather member whose selection waits for its bucket to be complete (on a GPU: torch.bucket_select)."""
+
+    name: str
+    record: Any
+    tensor: torch.Tensor
+    #: The gradient's flat buffer: read by the selection, the reduced gradient written over it.
+    flat: torch.Tensor
+    k: int
+    world_size: int
+    op_name: str
+    scale: float
+    process_set: Any
 
 class BucketFlight:
     """One bucket on one step: the requests that wait for it, then its collectives."""
@@ -36,6 +60,10 @@ class BucketFlight:
         self.arrived: set = set()
         #: exchange ("allgather" / "sparse_allreduce") -> member name -> its request
         self.requests: Dict[str, Dict[str, ExchangeRequest]] = {ALLGATHER: {}, SPARSE_ALLREDUCE: {}}
+        #: allgather members to be selected together at launch, and their selection then
+        self.unselected: Dict[str, UnselectedMember] = {}
+        self.selection: Optional[BucketSelection] = None
+        self._added_back = False
         self.layout: Optional[BucketLayout] = None
         self.sparse: Optional[SparseAllreduceFlight] = None
         self.launched = False
@@ -49,91 +77,132 @@ class BucketFlight:
 
     @property
     def carried(self) -> int:
-        return sum(len(r) for r in self.requests.values())
+        return sum(len(r) for r in self.requests.values()) + len(self.unselected)
 
     def launch(self) -> None:
-        """One allgather of the allgather members' payloads and one sparse allreduce of the others, each in the
-        bucket's order."""
+        """One allgather of the allgather members' payloads (those selected together first, then those selected
+        on arrival) and one sparse allreduce of the others, each in the bucket's order."""
         from horovod.torch.mpi_ops import allgather_async
 
         self.launched = True
+        names: List[str] = []
+        sizes: List[int] = []
+        parts: List[torch.Tensor] = []
+        process_set = None
+        together = [self.unselected[n] for n in self.members if n in self.unselected]
+        if together:
+            first = together[0]
+            self.selection = BucketSelection(self._owner.state, [(m.name, m.record, m.tensor, m.flat, m.k)
+                                                                 for m in together], first.world_size, first.op_name)
+            for m in self.selection.members:
+                m.record.bytes_sent += m.layout.nbytes
+                names.append(m.name)
+                sizes.append(m.layout.nbytes)
+            parts.append(self.selection.payload)
+            process_set = first.process_set
         gathered = self.requests[ALLGATHER]
-        ordered = [name for name in self.members if name in gathered]
-        if ordered:
-            self.layout = BucketLayout(tuple(ordered), tuple(gathered[n].layout.nbytes for n in ordered))
-            payload = torch.cat([gathered[n].payload for n in ordered])
-            self._handle = allgather_async(payload, name=self.layout.collective_name,
-                                           process_set=gathered[ordered[0]].process_set)
+        for name in self.members:
+            if name in gathered:
+                names.append(name)
+                sizes.append(gathered[name].layout.nbytes)
+                parts.append(gathered[name].payload)
+                process_set = gathered[name].process_set
+        if names:
+            self.layout = BucketLayout(tuple(names), tuple(sizes))
+            payload = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self._handle = allgather_async(payload, name=self.layout.collective_name, process_set=process_set)
         sparse = self.requests[SPARSE_ALLREDUCE]
         ordered = [name for name in self.members if name in sparse]
         if ordered:
             self.sparse = self._owner.sparse().start_flight([sparse[n] for n in ordered],
                                                              bucket_collective_name(ordered))
 
-    def member_payloads(self, name: str) -> torch.Tensor:
-        """The P payloads of allgather member ``name`` (contiguous, as a per-tensor allgather returns them); sends
-        the bucket first if it still waits for members, and waits for its allgather the first time."""
+    def _gathered_rows(self, world_size: int) -> torch.Tensor:
+        """The bucket's allgather as P rows; sends the bucket first if it still waits for members, and waits for
+        its allgather the first time."""
         if not self.launched:
             self._owner.flush()
         if self._rows is None:
             from horovod.torch.mpi_ops import synchronize
 
             assert self.layout is not None
-            request = self.requests[ALLGATHER][name]
             gathered = synchronize(self._handle)
-            message = self.layout.mismatch_message(request.world_size, gathered.numel())
+            message = self.layout.mismatch_message(world_size, gathered.numel())
             if message is not None:
                 raise PayloadSizeMismatch(message)
-            self._rows = gathered.view(request.world_size, self.layout.total_nbytes)
-        start, end = self.layout.member_slice(name)
-        return self._rows[:, start:end].contiguous().view(-1)
+            self._rows = gathered.view(world_size, self.layout.total_nbytes)
+        return self._rows
 
-    def sparse_result(self, name: str) -> torch.Tensor:
-        """The reduced gradient of sparse-allreduce member ``name``."""
+    def member_payloads(self, name: str) -> torch.Tensor:
+        """The P payloads of allgather member ``name`` selected on arrival (contiguous, as a per-tensor allgather
+        returns them)."""
+        rows = self._gathered_rows(self.requests[ALLGATHER][name].world_size)
+        assert self.layout is not None
+        start, end = self.layout.member_slice(name)
+        return rows[:, start:end].contiguous().view(-1)
+
+    def result(self, name: str) -> torch.Tensor:
+        """The reduced gradient of member ``name``, selected together with others or travelling by the sparse
+        allreduce."""
         if not self.launched:
             self._owner.flush()
-        assert self.sparse is not None
-        return self.sparse.result(list(self.sparse_members).index(name))
+        member = self.unselected.get(name)
+        if member is None:
+            assert self.sparse is not None
+            return self.sparse.result(list(self.sparse_members).index(name))
+        if not self._added_back:  # every member selected together is written at once
+            assert self.selection is not None
+            rows = self._gathered_rows(member.world_size)
+            self.selection.finish(rows[:, :self.selection.payload.numel()], member.scale)
+            self._added_back = True
+        return member.flat.view(member.tensor.shape)
 
     @property
     def sparse_members(self) -> List[str]:
         return [name for name in self.members if name in self.requests[SPARSE_ALLREDUCE]]
 
 
-class BucketSparseHandle:
-    """A bucket member's part of its bucket's sparse allreduce; calling it waits and returns its gradient."""
+class BucketMemberHandle:
+    """A bucket member's part of its bucket's sparse allreduce, or of the payloads selected together; calling it
+    waits and returns its reduced gradient."""
 
     def __init__(self, flight: BucketFlight, name: str) -> None:
         self._flight = flight
         self._name = name
 
     def __call__(self) -> torch.Tensor:
-        return self._flight.sparse_result(self._name)
+        return self._flight.result(self._name)
 
 
 class BucketedExchange:
     """The exchanges of a compressor's bucketed tensors: holds each bucket's requests for the step until the bucket
     is complete."""
 
-    def __init__(self, table: BucketTable, sparse: Callable[[], SparseAllreduce]) -> None:
+    def __init__(self, table: BucketTable, sparse: Callable[[], SparseAllreduce], state: Any) -> None:
         self.table = table
         #: The compressor's sparse allreduce (made on first use).
         self.sparse = sparse
+        #: The compressor (a TorchResiduals): members selected together at launch use its state.
+        self.state = state
         self._open: Dict[int, BucketFlight] = {}
         #: Buckets sent, the member payloads they carried, and those sent before all members had arrived
         #: (stats()["buckets"]).
         self.collectives = 0
         self.tensors = 0
         self.flushed_incomplete = 0
+        #: Buckets whose allgather members were selected by one run of the grouped kernels.
+        self.grouped = 0
 
     def covers(self, name: str) -> bool:
         return self.table.bucket_of(name) is not None
 
     def arrive(self, name: str, request: Optional[ExchangeRequest], exchange: str,
-               allgather_handle: Callable[[ExchangeRequest, Any, Callable[[Any], torch.Tensor]], Any]) -> Any:
-        """Member ``name`` has arrived on this step with the payload it sends by ``exchange``, or without one
-        (``request`` None: it went dense). Returns the member's handle (``allgather_handle`` builds an allgather
-        member's from the request, the flight and the wait), or None without a request."""
+               allgather_handle: Callable[[ExchangeRequest, Any, Callable[[Any], torch.Tensor]], Any],
+               unselected: Optional[UnselectedMember] = None) -> Any:
+        """Member ``name`` has arrived on this step with the payload it sends by ``exchange``, or unselected (an
+        allgather member selected with the others at launch), or without either (it went dense). Returns the
+        member's handle (``allgather_handle`` builds an allgather member's from the request, the flight and the
+        wait), or None when it went dense."""
         index = self.table.bucket_of(name)
         assert index is not None
         flight = self._open.get(index)
@@ -144,12 +213,15 @@ class BucketedExchange:
             flight = self._open[index] = BucketFlight(self.table.buckets[index], self)
         flight.arrived.add(name)
         handle = None
-        if request is not None:
+        if unselected is not None:
+            flight.unselected[name] = unselected
+            handle = BucketMemberHandle(flight, name)
+        elif request is not None:
             flight.requests[exchange][name] = request
             if exchange == ALLGATHER:
                 handle = allgather_handle(request, flight, lambda f: f.member_payloads(name))
             else:
-                handle = BucketSparseHandle(flight, name)
+                handle = BucketMemberHandle(flight, name)
         if flight.complete:
             self._send(index, flight)
         return handle
@@ -161,6 +233,7 @@ class BucketedExchange:
             self.tensors += flight.carried
             self.flushed_incomplete += not flight.complete
             flight.launch()
+            self.grouped += flight.selection is not None and flight.selection.grouped
 
     def flush(self) -> None:
         """Send every bucket still waiting for members, in bucket order (the same on every rank)."""
@@ -173,7 +246,7 @@ class BucketedExchange:
 
     def stats(self) -> Dict[str, int]:
         return {"buckets": len(self.table), "collectives": self.collectives, "tensors": self.tensors,
-                "flushed_incomplete": self.flushed_incomplete}
+                "flushed_incomplete": self.flushed_incomplete, "grouped": self.grouped}
 
 
 def bucket_member_names(named: List[tuple]) -> List[tuple]:

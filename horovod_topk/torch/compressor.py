@@ -28,9 +28,10 @@ from ..core import (
     reduction_scale,
 )
 from ..core.buckets import BucketTable
+from ..core.exchange import ALLGATHER
 from ..core.update_mode import update_tensor_name
 from . import auto_density
-from .buckets import BucketedExchange, bucket_member_names
+from .buckets import BucketedExchange, UnselectedMember, bucket_member_names
 from .exchange import ExchangeRequest
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
@@ -137,7 +138,7 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         #: Which bucket each gradient travels in (core.buckets), filled when an optimizer is wrapped, and the
         #: exchange that holds a bucket's payloads until its last member arrives (torch.buckets).
         self.bucket_table = BucketTable()
-        self._bucketed = BucketedExchange(self.bucket_table, self._sparse)
+        self._bucketed = BucketedExchange(self.bucket_table, self._sparse, self)
         #: Names of gradients held in update mode whose first-step agreement check has started (again after a load,
         #: as for every record; the update's own record is keyed by parameter name, not by these names).
         self._held_verified: Set[str] = set()
@@ -236,11 +237,15 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         pending.route = "topk"
         assert plan.k is not None
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        record.exchange = plan.exchange
+        if plan.exchange == ALLGATHER and self._bucketed.covers(name) and self._backend(tensor).name == "triton":
+            # on a GPU: selected with its bucket-mates by one run of the grouped kernels (torch.buckets)
+            member = UnselectedMember(name, record, tensor, flat, plan.k, world_size, op_name, scale, process_set)
+            return self._bucketed.arrive(name, None, plan.exchange, allgather_handle, member)
         payload, layout, wire_dtype, backend, residual = self._select(name, record, tensor, flat, plan.k,
                                                                       world_size, op_name)
         request = ExchangeRequest(name, payload, layout, wire_dtype, flat, tuple(tensor.shape), scale, world_size,
                                   process_set, backend, residual, record)
-        record.exchange = plan.exchange
         if self._bucketed.covers(name):  # waits for its bucket's exchange (torch.buckets)
             return self._bucketed.arrive(name, request, plan.exchange, allgather_handle)
         return self._exchange(plan.exchange)(request)

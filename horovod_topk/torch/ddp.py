@@ -102,9 +102,11 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
                 self._names[id(p)] = (weakref.ref(p), name)
         #: Member lists (bucket plans' names) whose ranks' agreement was checked since creation or the last load.
         self._verified: set = set()
-        #: Buckets reduced and those that carried compressed members (stats()["buckets"]).
+        #: Buckets reduced, those that carried compressed members, and those whose allgather members were
+        #: selected by one run of the grouped kernels (torch.bucket_select; stats()["buckets"]).
         self.buckets_reduced = 0
         self.buckets_compressed = 0
+        self.buckets_grouped = 0
 
     # ---- parameters and plans ------------------------------------------------------------------------------
     def name_of(self, parameter: torch.Tensor) -> str:
@@ -155,7 +157,8 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         self._forget_agreements()
 
     def _extra_stats(self) -> Dict[str, Any]:
-        return {"buckets": {"reduced": self.buckets_reduced, "compressed": self.buckets_compressed}}
+        return {"buckets": {"reduced": self.buckets_reduced, "compressed": self.buckets_compressed,
+                            "grouped": self.buckets_grouped}}
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling (e.g. torch.save of the whole state) keeps configuration and residuals, not the process group
@@ -207,6 +210,7 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
         return (dist.all_reduce(buffer, group=group, async_op=True).get_future()
                 .then(lambda fut: fut.value()[0]))
     state.buckets_compressed += 1
+    state.buckets_grouped += step.selection is not None and step.selection.grouped
     futures: List[torch.futures.Future] = []
     gathered = None
     if step.payload is not None:

@@ -22,7 +22,7 @@ import torch
 from ..core import group_member_name, pending_of, refuse_unsupported_op
 from .auto_density import install_wait_timer
 from .compressor import TopKEF, TopKHandle
-from .buckets import BucketSparseHandle
+from .buckets import BucketMemberHandle
 from .sparse_allreduce import SparseAllreduceHandle
 from .update_mode import LocalHandle, UpdateStep, adapt_broadcast_optimizer_state
 
@@ -197,7 +197,7 @@ def install() -> None:
         return GroupHandle(len(tensors), topk, dense_positions, dense_handle, horovod_synchronize, checks)
 
     def synchronize(handle: Any) -> Any:
-        if isinstance(handle, (TopKHandle, SparseAllreduceHandle, BucketSparseHandle, GroupHandle, CheckedHandle,
+        if isinstance(handle, (TopKHandle, SparseAllreduceHandle, BucketMemberHandle, GroupHandle, CheckedHandle,
                                LocalHandle)):
             return handle()
         return horovod_synchronize(handle)

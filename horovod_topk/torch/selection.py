@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -32,7 +32,7 @@ from ..core.policy import sample_size
 from . import device_select, encoding, ops
 
 __all__ = ["Backend", "ReferenceBackend", "FusedBackend", "DeviceBackend", "TritonBackend", "backend_for", "ENV",
-           "compress_tensor", "decompress_tensor"]
+           "compress_tensor", "decompress_tensor", "triton_backend", "on_device"]
 
 ENV = "HOROVOD_TOPK_SELECTION"
 Count = Union[int, torch.Tensor]  # a 0-dim device tensor where reading the count would synchronise
@@ -125,6 +125,15 @@ class TritonBackend(Backend):
         self._kernels = module
         self._groups: Dict[Tuple[int, PayloadLayout, torch.device], Any] = {}
 
+    @property
+    def kernels(self) -> Any:
+        """The triton_select module (torch.group_select runs its kernels over whole groups)."""
+        return self._kernels
+
+    def supports(self, grad: torch.Tensor, residual: torch.Tensor, layout: PayloadLayout, wire_dtype: torch.dtype,
+                 momentum_buffer: Any) -> bool:
+        return bool(self._kernels.supports(grad, residual, layout, wire_dtype, momentum_buffer))
+
     def _group(self, numel: int, layout: PayloadLayout, device: torch.device) -> Any:
         key = (numel, layout, device)
         group = self._groups.get(key)
@@ -136,7 +145,7 @@ class TritonBackend(Backend):
         if not self._kernels.supports(flat, residual, layout, wire_dtype, momentum_buffer):
             return _DEVICE.compress(flat, residual, momentum_buffer, momentum, layout, wire_dtype, sample_size, step)
         group = self._group(flat.numel(), layout, flat.device)
-        with _on(flat.device):  # Triton launches on the current device: make it the tensor's
+        with on_device(flat.device):  # Triton launches on the current device: make it the tensor's
             payload, nonfinite = self._kernels.compensate_and_select(flat, residual, group, wire_dtype)
         return payload, nonfinite[0]
 
@@ -145,11 +154,11 @@ class TritonBackend(Backend):
             _DEVICE.decompress(gathered, world_size, layout, value_dtype, scale, out)
             return
         rows = gathered.view(world_size, layout.nbytes)
-        with _on(out.device):
+        with on_device(out.device):
             self._kernels.accumulate(list(rows), self._group(out.numel(), layout, out.device), value_dtype, scale, out)
 
 
-def _on(device: torch.device) -> Any:
+def on_device(device: torch.device) -> Any:
     """``torch.cuda.device(device)`` for a CUDA device, else nothing (the interpreter runs on the CPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -166,6 +175,12 @@ def _triton() -> Backend:
     except ImportError:
         return _DEVICE
     return TritonBackend(triton_select)
+
+
+def triton_backend() -> Optional[TritonBackend]:
+    """The Triton backend, or None where Triton cannot be imported."""
+    backend = _triton()
+    return backend if isinstance(backend, TritonBackend) else None
 
 
 @functools.lru_cache(maxsize=1)

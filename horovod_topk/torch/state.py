@@ -59,6 +59,15 @@ class TorchResiduals:
             buffers.append(buf)
         return buffers[0], buffers[1]
 
+    def _group_selection(self) -> Any:
+        """The grouped selection's residual buffers of this state (torch.bucket_select), made on first use."""
+        found = getattr(self, "_grouped_selection", None)
+        if found is None:
+            from .bucket_select import GroupSelection
+
+            found = self._grouped_selection = GroupSelection()
+        return found
+
     def _backend(self, tensor: torch.Tensor) -> Backend:
         """Who selects and packs this tensor's entries, for its device and the selector (torch/selection.py)."""
         return backend_for(tensor, self.config.selector)
@@ -97,6 +106,20 @@ class TorchResiduals:
         mass it owes the model stays the same. A gradient's NaN/Inf entries are sent as such and never enter the
         residual or momentum buffer, on every backend (csrc/topk_kernels.cpp, ops.compensate_nonfinite).
         """
+        residual, momentum_buffer, layout, wire_dtype, backend = self._prepare(name, record, tensor, flat, k,
+                                                                               world_size, op_name)
+        started = time.perf_counter()  # host time only: no sync on a GPU (there it is the launch time)
+        payload, nonfinite = compress_tensor(backend, flat, residual, momentum_buffer, self.config.momentum, layout,
+                                             wire_dtype, record.steps)
+        self._selected(record, nonfinite, time.perf_counter() - started)
+        return payload, layout, wire_dtype, backend, residual
+
+    def _prepare(
+        self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, flat: torch.Tensor, k: int,
+        world_size: int, op_name: str,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], PayloadLayout, torch.dtype, Backend]:
+        """Everything a selection of ``tensor`` needs before its kernels run: (residual, momentum buffer, payload
+        layout, wire dtype, backend); the residual rescaled if the number of workers changed."""
         residual, momentum_buffer = self._state_buffers(name, record, tensor)
         world_factor = residual_world_factor(op_name, record.world_size, world_size)
         if world_factor != 1.0:  # workers left or joined since this residual was built
@@ -104,16 +127,15 @@ class TorchResiduals:
         record.world_size = world_size
         wire_dtype = self._wire_dtype(tensor)
         layout = tensor_payload_layout(self.config, k, flat.numel(), dtype_token(wire_dtype).element_size())
-        backend = self._backend(tensor)
-        started = time.perf_counter()  # host time only: no sync on a GPU (there it is the launch time)
-        payload, nonfinite = compress_tensor(backend, flat, residual, momentum_buffer, self.config.momentum, layout,
-                                             wire_dtype, record.steps)
-        record.nonfinite_steps += nonfinite  # a device tensor on the device backend: read without a sync here
-        elapsed = time.perf_counter() - started
-        record.compress_seconds += elapsed
+        return residual, momentum_buffer, layout, wire_dtype, self._backend(tensor)
+
+    def _selected(self, record: TensorRecord[torch.Tensor], nonfinite: Any, seconds: float) -> None:
+        """Count one selection in the record (``nonfinite``: 0/1, or a device tensor, read without a sync here)
+        and its host time (on a GPU, the launch time)."""
+        record.nonfinite_steps += nonfinite
+        record.compress_seconds += seconds
         if self.auto is not None:
-            self.auto.compressed(elapsed)
-        return payload, layout, wire_dtype, backend, residual
+            self.auto.compressed(seconds)
 
     # ---- state hooks ---------------------------------------------------------------------------------------
     def _export_residual(self, residual: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,12 @@ float16 or bfloat16), the plain payload layout (32-bit indices, no scale), no DG
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
+import threading
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 import triton
@@ -315,6 +318,26 @@ def _value_view(buffer: torch.Tensor, group: GroupLayout, wire_dtype: torch.dtyp
     return buffer.view(wire_dtype)
 
 
+#: Triton's interpreter patches triton.language while it runs a kernel: two threads interpreting at once (a DDP hook
+#: selecting the next bucket while a collective's callback adds the last one's payloads) break each other. Compiled
+#: kernels launch from any thread as usual. Triton reads TRITON_INTERPRET at import, and so does this.
+_INTERPRETER_LOCK = threading.Lock() if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+def _one_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as is, or under the interpreter, one thread at a time."""
+    if _INTERPRETER_LOCK is None:
+        return fn
+
+    @functools.wraps(fn)
+    def serialised(*args: Any, **kwargs: Any) -> Any:
+        with _INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    return serialised
+
+
+@_one_at_a_time
 def compensate_and_select(
     grad: torch.Tensor, residual: torch.Tensor, group: GroupLayout, wire_dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -366,6 +389,7 @@ def compensate_and_select(
     return buffer, (bad > 0).to(torch.int64)
 
 
+@_one_at_a_time
 def accumulate(gathered: Sequence[torch.Tensor], group: GroupLayout, wire_dtype: torch.dtype, scale: float,
                out: torch.Tensor) -> None:
     """``out`` (flat float32, the group end to end) = the sum over ranks, in rank order, of each rank's payload

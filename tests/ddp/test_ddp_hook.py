@@ -96,6 +96,21 @@ def test_parameters_do_not_depend_on_the_bucket_layout():
     assert torch.equal(results[0]["params"][0], results[1]["params"][0])
 
 
+def test_grouped_kernels_train_exactly_as_member_by_member(monkeypatch):
+    """The GPU path of a bucket (one run of the grouped Triton kernels for its allgather members, torch.bucket_select),
+    on real workers: here the kernels run under Triton's interpreter on CPU tensors. Small buckets: several per
+    step, rebuilt after the first, and a collective's callback adding one bucket's payloads while the hook selects
+    the next."""
+    monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    results = harness.run(workers.grouped_against_alone, 2, 0.3)
+    for r in results:
+        assert r["grouped"]["same"] and r["alone"]["same"]
+        assert torch.equal(r["grouped"]["params"], r["alone"]["params"])
+        assert r["grouped"]["buckets"]["grouped"] >= 4 and r["alone"]["buckets"]["grouped"] == 0
+    assert torch.equal(results[0]["grouped"]["params"], results[1]["grouped"]["params"])
+
+
 @pytest.mark.parametrize("named", [False, True])
 def test_checkpoint_resumes_exactly(named):
     results = harness.run(workers.resume, 2, named)

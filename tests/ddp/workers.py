@@ -148,6 +148,30 @@ def bucket_layouts(rank: int, world_size: int, configurations: List[Dict[str, An
     return {"params": results}
 
 
+def grouped_against_alone(rank: int, world_size: int, bucket_cap_mb: float) -> Dict[str, Any]:
+    """The same Adam training twice: the allgather members of each bucket selected by one run of the grouped
+    kernels (the test sets HOROVOD_TOPK_SELECTION=triton), then member by member; parameters and bucket stats."""
+    from horovod_topk.torch import bucket_select
+
+    groupable = bucket_select.groupable
+    results = []
+    try:
+        for grouped in (True, False):
+            bucket_select.groupable = groupable if grouped else (lambda *args: False)
+            model = make_model()
+            state = TopKEFState(ratio=0.05, min_numel=64)
+            ddp = ddp_of(model, state, bucket_cap_mb=bucket_cap_mb)
+            opt = torch.optim.Adam(model.parameters(), 1e-2)
+            for step in range(4):
+                train_step(ddp, opt, rank, step)
+            params = flat_params(model)
+            results.append({"params": params, "same": all_equal_across_ranks(params),
+                            "buckets": state.stats()["buckets"]})
+    finally:
+        bucket_select.groupable = groupable
+    return {"grouped": results[0], "alone": results[1]}
+
+
 def resume(rank: int, world_size: int, named: bool) -> Dict[str, Any]:
     """6 steps straight, against 3 steps, a checkpoint (model, optimizer, TopKEFState per rank), fresh objects that
     load it, and 3 more steps."""

@@ -1,0 +1,207 @@
+"""The members of a bucket that travel by allgather, selected into one payload and added back from the gathered
+ones: on a GPU one run of the grouped Triton kernels (triton_select) for all of them, elsewhere member by member.
+
+Why grouped: on a GPU what costs is the host launching kernels. Selected one by one, each member costs ~20
+launches, and a ResNet-50 step spent 24-34 ms of host time in them (an H100, docs/performance.md "GPUs"), where the
+same kernels over all 55 weight tensors as one group take ~1 ms. A bucket is such a group: ~10 launches to select
+all its members and one per rank to add the payloads back, whatever the number of members.
+
+Nothing about a member changes: its k, payload layout and bytes, residual and non-finite rule are exactly what the
+Triton backend gives it alone (the kernels treat each member as its own segment), and the bucket's payload is the
+members' payloads back to back, as the member-by-member path concatenates them. Residuals stay keyed by member
+name in the registry (checkpoints, another bucket layout in the next job): each member's residual *is* a view of
+one flat buffer per group, so the kernels update them in place; a residual that is not (first step, after a load,
+after a move between devices, buckets rebuilt) is copied into its place once and replaced by the view.
+
+Where grouping applies (:func:`groupable`): two or more members whose backend is the Triton one, float32 gradients
+and residuals, one wire dtype, the plain payload layout, no DGC momentum. Anything else (the CPU's fused kernel
+included: there the time is in the passes over memory, not in launches) is selected member by member.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core import PayloadLayout
+from . import selection
+from .selection import compress_tensor, decompress_tensor
+
+__all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", "groupable"]
+
+#: Group layouts kept per device path (each holds a few small device tables): a bucket's layout changes only while
+#: a sparsity warm-up moves its k's, so a handful covers every bucket of a model in steady state.
+_LAYOUTS_KEPT = 64
+
+
+@dataclass
+class GroupMember:
+    """One compressed member of a bucket, ready to be selected: its gradient (flat), state and payload layout."""
+
+    name: str
+    record: Any
+    flat: torch.Tensor
+    residual: torch.Tensor
+    layout: PayloadLayout
+    wire_dtype: torch.dtype
+
+
+def groupable(members: Sequence[GroupMember], backends: Sequence[Any], momentum: Sequence[Any]) -> bool:
+    """Whether ``members`` (with their backends and momentum buffers) can be selected as one group."""
+    if len(members) < 2:
+        return False
+    triton = selection.triton_backend()
+    if triton is None or any(b is not triton for b in backends) or any(m is not None for m in momentum):
+        return False
+    first = members[0]
+    return all(m.flat.dtype == torch.float32 and m.flat.device == first.flat.device
+               and m.wire_dtype == first.wire_dtype and m.layout.value_itemsize == first.layout.value_itemsize
+               and triton.supports(m.flat, m.residual, m.layout, m.wire_dtype, None) for m in members)
+
+
+def _span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat view over ``tensors`` when they lie back to back in one storage (a DDP bucket's members), else
+    None."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    at = first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (at - first.storage_offset(),))
+
+
+class SelectedGroup:
+    """One group's selection on one step: its payload buffer, and how the gathered buffers become the members'
+    averaged gradients."""
+
+    def __init__(self, group: Any, members: Sequence[GroupMember], payload: torch.Tensor) -> None:
+        self.group = group
+        self.members = list(members)
+        #: The members' payloads back to back (uint8), this rank's share of the bucket's allgather.
+        self.payload = payload
+
+    def finish(self, rows: torch.Tensor, scale: float, kernels: Any) -> None:
+        """Write every member's average over its gradient from ``rows`` (P x this group's payload bytes): one
+        launch per rank; straight into the gradients when they lie back to back, else through one buffer."""
+        wire = self.members[0].wire_dtype
+        out = _span([m.flat for m in self.members])
+        with selection.on_device(rows.device):
+            if out is not None:
+                kernels.accumulate(list(rows), self.group, wire, scale, out)
+                return
+            out = torch.empty(self.group.numel, dtype=torch.float32, device=rows.device)
+            kernels.accumulate(list(rows), self.group, wire, scale, out)
+        for m, start in zip(self.members, self.group.starts):
+            m.flat.copy_(out[start:start + m.flat.numel()])
+
+
+class GroupSelection:
+    """Selects groups of members with the grouped kernels; holds each group's residual buffer and layout.
+
+    A front end keeps one per compressor state: the residual buffers belong to the members' records (they are
+    the records' residuals), this object only remembers which buffer each group uses."""
+
+    def __init__(self) -> None:
+        #: (member names, numels, layouts, device) -> (GroupLayout, flat residual buffer)
+        self._groups: "OrderedDict[Tuple, Tuple[Any, torch.Tensor]]" = OrderedDict()
+
+    def _group(self, members: Sequence[GroupMember], kernels: Any) -> Tuple[Any, torch.Tensor]:
+        device = members[0].flat.device
+        key = (tuple(m.name for m in members), tuple(m.flat.numel() for m in members),
+               tuple(m.layout for m in members), device)
+        found = self._groups.get(key)
+        if found is not None:
+            self._groups.move_to_end(key)
+            return found
+        layout = kernels.GroupLayout(key[1], key[2], device)
+        # buckets rebuilt (DDP does after its first iteration): groups holding any of these members under another
+        # membership are stale; their members adopt the new buffer below
+        names = set(key[0])
+        for stale in [k for k in self._groups if k[:2] != key[:2] and names.intersection(k[0])]:
+            del self._groups[stale]
+        # a buffer of the same members under other k's (a warm-up) is the same residuals: reuse it
+        buffer = next((buf for k, (_, buf) in self._groups.items() if k[:2] == key[:2] and k[3] == device), None)
+        if buffer is None:
+            buffer = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        self._groups[key] = (layout, buffer)
+        while len(self._groups) > _LAYOUTS_KEPT:
+            self._groups.popitem(last=False)
+        return layout, buffer
+
+    def select(self, members: Sequence[GroupMember], state: Any) -> SelectedGroup:
+        """Compensate and select every member of ``members`` at once (each member's record counts its step's
+        non-finite flag and its share of the time, by size)."""
+        kernels = selection.triton_backend().kernels
+        group, residuals = self._group(members, kernels)
+        for m, start in zip(members, group.starts):
+            view = residuals[start:start + m.flat.numel()]
+            if m.residual.data_ptr() != view.data_ptr():  # first step, a loaded or moved residual: adopt it
+                view.copy_(m.residual)
+                m.record.residual = m.residual = view
+        grads = _span([m.flat for m in members])
+        started = time.perf_counter()
+        with selection.on_device(members[0].flat.device):
+            if grads is None:
+                grads = torch.cat([m.flat for m in members])
+            payload, nonfinite = kernels.compensate_and_select(grads, residuals, group, members[0].wire_dtype)
+        seconds = time.perf_counter() - started
+        for i, m in enumerate(members):
+            state._selected(m.record, nonfinite[i], seconds * m.flat.numel() / group.numel)
+        return SelectedGroup(group, members, payload)
+
+
+
+class BucketSelection:
+    """The allgather members of one bucket on one step: selected into one payload (:attr:`payload`, this rank's
+    share of the bucket's allgather), then :meth:`finish` writes each member's average over its gradient.
+
+    ``items`` are (name, record, tensor, flat gradient, k) in the bucket's order; ``state`` is the front end's
+    ``TorchResiduals``. The grouped kernels run where :func:`groupable` allows, else each member's backend."""
+
+    def __init__(self, state: Any, items: Sequence[Tuple[str, Any, torch.Tensor, torch.Tensor, int]],
+                 world_size: int, op_name: str) -> None:
+        self.world_size = world_size
+        self.members: List[GroupMember] = []
+        backends, momentum = [], []
+        for name, record, tensor, flat, k in items:
+            residual, momentum_buffer, layout, wire_dtype, backend = state._prepare(name, record, tensor, flat, k,
+                                                                                    world_size, op_name)
+            self.members.append(GroupMember(name, record, flat, residual, layout, wire_dtype))
+            backends.append(backend)
+            momentum.append(momentum_buffer)
+        self._group: Optional[SelectedGroup] = None
+        self._backends = backends
+        if groupable(self.members, backends, momentum):
+            self._group = state._group_selection().select(self.members, state)
+            self.payload = self._group.payload
+            return
+        payloads = []
+        for m, backend, buf in zip(self.members, backends, momentum):
+            started = time.perf_counter()
+            payload, nonfinite = compress_tensor(backend, m.flat, m.residual, buf, state.config.momentum, m.layout,
+                                                 m.wire_dtype, m.record.steps)
+            state._selected(m.record, nonfinite, time.perf_counter() - started)
+            payloads.append(payload)
+        self.payload = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
+
+    @property
+    def grouped(self) -> bool:
+        return self._group is not None
+
+    def finish(self, rows: torch.Tensor, scale: float) -> None:
+        """Each member's sum of the P ranks' entries times ``scale``, written over its gradient; ``rows`` is the
+        gathered buffer as P rows of this rank's :attr:`payload` size."""
+        if self._group is not None:
+            self._group.finish(rows, scale, selection.triton_backend().kernels)
+            return
+        start = 0
+        for m, backend in zip(self.members, self._backends):
+            end = start + m.layout.nbytes
+            decompress_tensor(backend, rows[:, start:end].contiguous().view(-1), self.world_size, m.layout,
+                              m.wire_dtype, scale, m.flat)
+            start = end

@@ -1,0 +1,101 @@
+"""A bucket's allgather members selected by one run of the grouped Triton kernels (torch.bucket_select) against the
+same members selected one by one by the Triton backend: the same payload bytes, residuals and averaged gradients,
+step after step, through a NaN, a checkpoint load and rebuilt buckets.
+
+Two ranks are simulated in one process (each its own TopKEFState; their payloads concatenated as the allgather
+would). Without a GPU the kernels run under Triton's interpreter, as in test_triton_select; on a GPU machine
+(scripts/gpu_check.sh) on CUDA."""
+import pytest
+import torch
+
+from .test_triton_select import DEVICE  # noqa: F401  (sets TRITON_INTERPRET=1 before Triton is imported)
+from horovod_topk.torch import bucket_select  # noqa: E402
+from horovod_topk.torch.bucket_step import BucketStep  # noqa: E402
+from horovod_topk.torch.ddp import TopKEFState  # noqa: E402
+
+WORLD = 2
+# a 10-element bias between weights: it goes dense (min_numel), so the compressed members do not lie back to back
+SPLIT = [("w1", 3000), ("bias", 10), ("w2", 5000), ("w3", 2000)]
+ADJACENT = [("w1", 3000), ("w2", 5000), ("w3", 2000)]
+
+
+def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=None, rebuild_at=None):
+    """``steps`` steps of two ranks; returns per step the payloads, the residuals and the averaged buffers."""
+    monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
+    if not grouped:
+        monkeypatch.setattr(bucket_select, "groupable", lambda *args: False)
+    states = [TopKEFState(**options) for _ in range(WORLD)]
+    gen = torch.Generator().manual_seed(0)
+    history = []
+    for step in range(steps):
+        layout = members if rebuild_at is None or step < rebuild_at else list(reversed(members))
+        numel = sum(n for _, n in layout)
+        buffers = [torch.randn(numel, generator=gen).to(DEVICE) for _ in range(WORLD)]
+        if step == nan_at:
+            buffers[1][layout[0][1] + 7] = float("nan")  # entry 7 of the second member, on rank 1
+        if step == load_at:
+            for s in states:
+                s.load_state_dict(s.state_dict())
+        work = []
+        for state, buffer in zip(states, buffers):
+            plan = state.plan(layout, buffer, WORLD)
+            work.append(BucketStep(state, plan, buffer, [(n,) for _, n in layout], WORLD))
+        assert all(w.selection is not None and w.selection.grouped == grouped for w in work)
+        gathered = torch.cat([w.payload for w in work])
+        dense = sum(w.dense for w in work) if work[0].dense is not None else None
+        outputs = [w.finish(gathered, dense.clone() if dense is not None else None) for w in work]
+        residuals = [{name: s.registry.records[name].residual.clone() for name, _ in layout
+                      if s.registry.records[name].residual is not None} for s in states]
+        history.append((gathered.clone(), residuals, [o.clone() for o in outputs]))
+    return history, states
+
+
+def _assert_same(a, b):
+    for (payload_a, res_a, out_a), (payload_b, res_b, out_b) in zip(a, b):
+        assert torch.equal(payload_a, payload_b)
+        for ra, rb in zip(res_a, res_b):
+            assert ra.keys() == rb.keys() and all(torch.equal(ra[n], rb[n]) for n in ra)
+        for oa, ob in zip(out_a, out_b):
+            assert torch.equal(oa.nan_to_num(7.0), ob.nan_to_num(7.0)) and torch.equal(oa.isnan(), ob.isnan())
+
+
+@pytest.mark.parametrize("members", [SPLIT, ADJACENT], ids=["dense-member-between", "back-to-back"])
+@pytest.mark.parametrize("options", [{"ratio": 0.02}, {"ratio": 0.05, "value_dtype": "float16"}],
+                         ids=["float32", "float16-wire"])
+def test_grouped_equals_member_by_member(members, options, monkeypatch):
+    grouped, states = _run(members, True, monkeypatch, options)
+    alone, _ = _run(members, False, monkeypatch, options)
+    _assert_same(grouped, alone)
+    # the residuals are views of one buffer, and they did keep entries
+    residuals = [states[0].registry.records[n].residual for n, numel in members if numel >= 1024]
+    assert len({r.untyped_storage().data_ptr() for r in residuals}) == 1
+    assert all(r.abs().sum() > 0 for r in residuals)
+
+
+def test_a_nan_stays_out_of_the_residuals_and_reaches_every_rank(monkeypatch):
+    grouped, states = _run(ADJACENT, True, monkeypatch, {"ratio": 0.02}, nan_at=1)
+    alone, _ = _run(ADJACENT, False, monkeypatch, {"ratio": 0.02}, nan_at=1)
+    _assert_same(grouped, alone)
+    _, residuals, outputs = grouped[1]
+    assert all(torch.isfinite(r).all() for rank in residuals for r in rank.values())
+    at = ADJACENT[0][1] + 7
+    assert all(o[at].isnan() and o.isnan().sum() == 1 for o in outputs)  # sent: every rank's average shows it
+    assert [int(s.registry.records["w2"].nonfinite_steps) for s in states] == [0, 1]
+    assert int(states[1].registry.records["w1"].nonfinite_steps) == 0  # its bucket-mates went on as usual
+
+
+def test_a_load_and_rebuilt_buckets_keep_every_residual(monkeypatch):
+    """A load replaces the records' residuals and rebuilt buckets regroup the members: each is adopted into its
+    new place with its values, and the steps go on exactly as member by member."""
+    grouped, _ = _run(ADJACENT, True, monkeypatch, {"ratio": 0.02}, steps=5, load_at=2, rebuild_at=3)
+    alone, _ = _run(ADJACENT, False, monkeypatch, {"ratio": 0.02}, steps=5, load_at=2, rebuild_at=3)
+    _assert_same(grouped, alone)
+
+
+def test_not_grouped_where_the_kernels_do_not_apply(monkeypatch):
+    """The compact encoding (16-bit indices) is not the grouped kernels' layout: member by member."""
+    monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
+    state = TopKEFState(ratio=0.02, index_bits=16, value_dtype="float8")
+    buffer = torch.randn(sum(n for _, n in ADJACENT)).to(DEVICE)
+    step = BucketStep(state, state.plan(ADJACENT, buffer, WORLD), buffer, [(n,) for _, n in ADJACENT], WORLD)
+    assert step.selection is not None and not step.selection.grouped
