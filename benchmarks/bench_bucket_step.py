@@ -124,7 +124,7 @@ def main() -> None:
               f", ratio {args.ratio}, median of {args.repeat} steps ({time.strftime('%Y-%m-%d')})")
         print("| model | " + " | ".join(f"{m} ms" for m in methods) + " | elementwise ms | "
               + " | ".join(f"{m} - dense ms" for m in methods if m != "dense") + " |")
-        print("|---" * (2 + 2 * len(methods)) + "|")
+        print("|---" * (1 + 2 * len(methods)) + "|")
         for name in args.models:
             r = measure(name, device, args.ratio, args.repeat, methods)
             over = [f"{r[m] - r['dense']:.2f}" + (f" ({(r[m] - r['dense']) / r['elementwise']:.2f}x elem.)"

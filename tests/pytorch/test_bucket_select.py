@@ -99,3 +99,30 @@ def test_not_grouped_where_the_kernels_do_not_apply(monkeypatch):
     buffer = torch.randn(sum(n for _, n in ADJACENT)).to(DEVICE)
     step = BucketStep(state, state.plan(ADJACENT, buffer, WORLD), buffer, [(n,) for _, n in ADJACENT], WORLD)
     assert step.selection is not None and not step.selection.grouped
+
+
+def test_a_bucket_step_never_synchronises_the_host(monkeypatch):
+    """Once its group layout exists, a bucket's selection, payload and adding back call nothing that would make
+    the host wait for a GPU: checked on CUDA with torch's sync debug mode set to raise, and on the CPU by the aten
+    ops recorded (tests/pytorch/sync_check.py)."""
+    from .sync_check import recorded_ops, syncing
+
+    monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
+    state = TopKEFState(ratio=0.02)
+
+    def one_step(seed: int) -> None:
+        buffer = torch.randn(sum(n for _, n in SPLIT), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        step = BucketStep(state, state.plan(SPLIT, buffer, WORLD), buffer, [(n,) for _, n in SPLIT], WORLD)
+        assert step.selection is not None and step.selection.grouped
+        step.finish(torch.cat([step.payload, step.payload]), step.dense * WORLD)
+
+    one_step(0)  # first step: residuals and the group layout made, the agreement's tables copied to the device
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            one_step(1)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    ops = recorded_ops(lambda: one_step(2))
+    assert "aten.cat.default" in ops and not syncing(ops), syncing(ops)  # cat: the recording saw the step
