@@ -143,9 +143,12 @@ def test_momentum_correction_matches_the_reference_and_masks():
         assert torch.all(u1[idx_fused.long()] == 0) and torch.all(r1[idx_fused.long()] == 0)
 
 
-@pytest.mark.parametrize("world", [1, 2, 5])
-def test_decompress_equals_the_reference_scatter(world):
-    n, k = 30_000, 300
+@pytest.mark.parametrize("world,n,offset", [(1, 30_000, 0), (2, 30_000, 0), (5, 30_000, 0),
+                                             (2, 700_001, 0), (2, 700_001, 3)],
+                         ids=["P1", "P2", "P5", "P2-streamed", "P2-streamed-unaligned"])
+def test_decompress_equals_the_reference_scatter(world, n, offset):
+    """Above 1 MiB the output is zeroed with streaming stores (an unaligned start and an odd tail included)."""
+    k = n // 100
     layout = PayloadLayout(k, 4)
     payloads = []
     for rank in range(world):
@@ -155,11 +158,16 @@ def test_decompress_equals_the_reference_scatter(world):
         K.compress(residual, grad, None, 0.0, k, layout.values_offset, payload, torch.empty(0), 4096, rank)
         payloads.append(payload)
     gathered = torch.cat(payloads)
-    out = torch.randn(n)  # the gradient buffer still holds this rank's gradient: decompress overwrites it
+    # the gradient buffer still holds this rank's gradient: decompress overwrites it (a view at ``offset`` into a
+    # larger buffer, whose other elements must stay as they are)
+    whole = torch.randn(n + offset + 5)
+    out = whole[offset:offset + n]
+    before = whole.clone()
     K.decompress(gathered, world, k, layout.values_offset, layout.nbytes, torch.empty(0), 0.5, out)
     indices, values = ops.unpack(gathered, world, layout, torch.float32)
     expected = ops.scatter_sum(indices, values, n, torch.float32) * 0.5
     torch.testing.assert_close(out, expected)
+    assert torch.equal(whole[:offset], before[:offset]) and torch.equal(whole[offset + n:], before[offset + n:])
 
 
 def test_decompress_refuses_out_of_range_indices():

@@ -8,8 +8,9 @@
 //                others go back to the residual. A NaN/Inf gradient entry never enters the residual: it is sent.
 //                The gradient is only read: until decompress writes the average, it holds this rank's gradient,
 //                as with Horovod's own allreduce (code that reads .grad before synchronize() sees it).
-//   decompress = zero the gradient buffer and add the P payloads' scaled values into it (no allocation), each
-//                walking its ascending indices front to back with prefetching.
+//   decompress = zero the gradient buffer (streaming stores above 1 MiB: no read of lines about to be overwritten)
+//                and add the P payloads' scaled values into it (no allocation), each walking its ascending
+//                indices front to back with prefetching.
 // Payload layout (horovod_topk/core/payload.py): [k int32 indices | pad | k values | pad to 8 bytes].
 #include <torch/extension.h>
 
@@ -397,6 +398,32 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   return {first_count, count, scans};
 }
 
+// Zero ``bytes`` bytes at ``p``. Above L2's size the buffer is bound for memory anyway: streaming stores write it
+// without first reading every line into the cache (a plain memset below glibc's own non-temporal threshold, which is
+// above the size of most layers, reads each line before writing it).
+void zero_bytes(void* p, size_t bytes) {
+#if defined(__x86_64__)
+  constexpr size_t STREAM_FROM = size_t(1) << 20;
+  if (bytes >= STREAM_FROM) {
+    char* c = static_cast<char*>(p);
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(c) & 15)) & 15;
+    std::memset(c, 0, head);
+    const __m128i zero = _mm_setzero_si128();
+    size_t i = head;
+    for (; i + 64 <= bytes; i += 64) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i), zero);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 16), zero);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 32), zero);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 48), zero);
+    }
+    std::memset(c + i, 0, bytes - i);
+    _mm_sfence();  // the scatter below reads these lines: the streamed zeros must be visible first
+    return;
+  }
+#endif
+  std::memset(p, 0, bytes);
+}
+
 template <typename O, typename W>
 void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t values_offset, int64_t nbytes,
                      double scale, torch::Tensor out) {
@@ -413,7 +440,7 @@ void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t v
   // scatter walks the output front to back. Measured faster here than merging the P lists into one sweep that
   // writes the zeros between entries itself. (Zeroing in compress, right after reading each gradient line, was
   // cheaper still, but left .grad reading zeros between backward() and synchronize().)
-  std::memset(static_cast<void*>(o), 0, static_cast<size_t>(n) * sizeof(O));
+  zero_bytes(static_cast<void*>(o), static_cast<size_t>(n) * sizeof(O));
   for (int64_t p = 0; p < world; ++p) {
     const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * nbytes);
     const W* val = reinterpret_cast<const W*>(base + p * nbytes + values_offset);
