@@ -59,7 +59,7 @@ def groupable(members: Sequence[GroupMember], backends: Sequence[Any], momentum:
     first = members[0]
     return all(m.flat.dtype == torch.float32 and m.flat.device == first.flat.device
                and m.wire_dtype == first.wire_dtype and m.layout.value_itemsize == first.layout.value_itemsize
-               and triton.supports(m.flat, m.residual, m.layout, m.wire_dtype, None) for m in members)
+               and triton.kernels.supports(m.flat, m.residual, m.layout, m.wire_dtype, None) for m in members)
 
 
 def _span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -79,25 +79,25 @@ class SelectedGroup:
     """One group's selection on one step: its payload buffer, and how the gathered buffers become the members'
     averaged gradients."""
 
-    def __init__(self, group: Any, members: Sequence[GroupMember], payload: torch.Tensor) -> None:
+    def __init__(self, group: Any, members: Sequence[GroupMember], payload: torch.Tensor,
+                 span: Optional[torch.Tensor]) -> None:
         self.group = group
         self.members = list(members)
         #: The members' payloads back to back (uint8), this rank's share of the bucket's allgather.
         self.payload = payload
+        #: One flat view over the members' gradients when they lie back to back, else None.
+        self.span = span
 
     def finish(self, rows: torch.Tensor, scale: float, kernels: Any) -> None:
         """Write every member's average over its gradient from ``rows`` (P x this group's payload bytes): one
         launch per rank; straight into the gradients when they lie back to back, else through one buffer."""
-        wire = self.members[0].wire_dtype
-        out = _span([m.flat for m in self.members])
+        out = self.span if self.span is not None else torch.empty(self.group.numel, dtype=torch.float32,
+                                                                                 device=rows.device)
         with selection.on_device(rows.device):
-            if out is not None:
-                kernels.accumulate(list(rows), self.group, wire, scale, out)
-                return
-            out = torch.empty(self.group.numel, dtype=torch.float32, device=rows.device)
-            kernels.accumulate(list(rows), self.group, wire, scale, out)
-        for m, start in zip(self.members, self.group.starts):
-            m.flat.copy_(out[start:start + m.flat.numel()])
+            kernels.accumulate(list(rows), self.group, self.members[0].wire_dtype, scale, out)
+        if self.span is None:
+            for m, start in zip(self.members, self.group.starts):
+                m.flat.copy_(out[start:start + m.flat.numel()])
 
 
 class GroupSelection:
@@ -143,22 +143,21 @@ class GroupSelection:
             if m.residual.data_ptr() != view.data_ptr():  # first step, a loaded or moved residual: adopt it
                 view.copy_(m.residual)
                 m.record.residual = m.residual = view
-        grads = _span([m.flat for m in members])
+        span = _span([m.flat for m in members])
         started = time.perf_counter()
         with selection.on_device(members[0].flat.device):
-            if grads is None:
-                grads = torch.cat([m.flat for m in members])
+            grads = span if span is not None else torch.cat([m.flat for m in members])
             payload, nonfinite = kernels.compensate_and_select(grads, residuals, group, members[0].wire_dtype)
         seconds = time.perf_counter() - started
         for i, m in enumerate(members):
             state._selected(m.record, nonfinite[i], seconds * m.flat.numel() / group.numel)
-        return SelectedGroup(group, members, payload)
-
+        return SelectedGroup(group, members, payload, span)
 
 
 class BucketSelection:
     """The allgather members of one bucket on one step: selected into one payload (:attr:`payload`, this rank's
-    share of the bucket's allgather), then :meth:`finish` writes each member's average over its gradient.
+    share of the bucket's allgather, counted in each member's bytes sent), then :meth:`finish` writes each
+    member's average over its gradient.
 
     ``items`` are (name, record, tensor, flat gradient, k) in the bucket's order; ``state`` is the front end's
     ``TorchResiduals``. The grouped kernels run where :func:`groupable` allows, else each member's backend."""
@@ -172,6 +171,7 @@ class BucketSelection:
             residual, momentum_buffer, layout, wire_dtype, backend = state._prepare(name, record, tensor, flat, k,
                                                                                     world_size, op_name)
             self.members.append(GroupMember(name, record, flat, residual, layout, wire_dtype))
+            record.bytes_sent += layout.nbytes
             backends.append(backend)
             momentum.append(momentum_buffer)
         self._group: Optional[SelectedGroup] = None

@@ -70,8 +70,6 @@ class BucketStep:
         self.selection: Optional[BucketSelection] = None
         if gathered:
             self.selection = BucketSelection(state, gathered, world_size, "average")
-            for m in self.selection.members:
-                m.record.bytes_sent += m.layout.nbytes
         #: This rank's share of the bucket's allgather (uint8), or None when no member takes the allgather.
         self.payload: Optional[torch.Tensor] = self.selection.payload if self.selection is not None else None
         #: The sparse allreduce of the members that take it (its send blocks are ready), or None.

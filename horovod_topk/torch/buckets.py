@@ -95,7 +95,6 @@ class BucketFlight:
             self.selection = BucketSelection(self._owner.state, [(m.name, m.record, m.tensor, m.flat, m.k)
                                                                  for m in together], first.world_size, first.op_name)
             for m in self.selection.members:
-                m.record.bytes_sent += m.layout.nbytes
                 names.append(m.name)
                 sizes.append(m.layout.nbytes)
             parts.append(self.selection.payload)

@@ -127,12 +127,8 @@ class TritonBackend(Backend):
 
     @property
     def kernels(self) -> Any:
-        """The triton_select module (torch.group_select runs its kernels over whole groups)."""
+        """The triton_select module (torch.bucket_select runs its kernels over whole buckets)."""
         return self._kernels
-
-    def supports(self, grad: torch.Tensor, residual: torch.Tensor, layout: PayloadLayout, wire_dtype: torch.dtype,
-                 momentum_buffer: Any) -> bool:
-        return bool(self._kernels.supports(grad, residual, layout, wire_dtype, momentum_buffer))
 
     def _group(self, numel: int, layout: PayloadLayout, device: torch.device) -> Any:
         key = (numel, layout, device)
