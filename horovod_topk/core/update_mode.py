@@ -28,6 +28,7 @@ from typing import Dict, List, Sequence, Tuple
 
 __all__ = [
     "MOMENTS_NAME",
+    "NONFINITE_NAME",
     "ADAM_FAMILY",
     "MomentsLayout",
     "moments_layout",
@@ -36,9 +37,12 @@ __all__ = [
     "TAPE_REFUSAL",
     "TENSORFLOW_REFUSAL",
     "update_tensor_name",
+    "update_tensor_names",
     "block_count",
 ]
 
+#: The name of the non-finite agreement before the local step (a one-element allreduce of the ranks' counts).
+NONFINITE_NAME = "topk.update.nonfinite"
 #: The name of the shared second moment's allreduce (every tensor's block mean squares), before the local step.
 MOMENTS_NAME = "topk.update.moments"
 
@@ -55,11 +59,13 @@ TAPE_REFUSAL = (
     "(hvd.DistributedOptimizer for Keras 2, horovod_topk.tensorflow.keras3.DistributedOptimizer for Keras 3)."
 )
 
-#: What TensorFlow's optimizers say to update mode: it steps the optimizer between two collectives, which is built for
-#: PyTorch's optimizer only so far; a refusal at construction instead of gradient mode under another name.
+#: What a TensorFlow path that reduces gradients says to update mode: only the Keras optimizer wrappers see the step
+#: (TensorFlow 1's ``tf.compat.v1.train.Optimizer`` under ``hvd.DistributedOptimizer``, or an ``hvd.allreduce`` of a
+#: gradient by hand, hand over gradients only); a refusal instead of gradient mode under another name.
 TENSORFLOW_REFUSAL = (
-    "horovod-topk: TopKEF(target='update') is built for PyTorch's hvd.DistributedOptimizer; TensorFlow and Keras "
-    "optimizers do not have it yet. Use target='gradient' (the default) with TensorFlow."
+    "horovod-topk: TopKEF(target='update') in TensorFlow runs through a Keras optimizer wrapped by "
+    "hvd.DistributedOptimizer or horovod.tensorflow.keras.DistributedOptimizer (Keras 2 and 3); this path hands "
+    "over gradients only. Use target='gradient' here (the default)."
 )
 
 
@@ -67,6 +73,25 @@ def update_tensor_name(name: str) -> str:
     """The registry key of a parameter's update residual: apart from gradient residuals of the same parameter, so a
     checkpoint of one mode never feeds the other's residual (they hold different quantities)."""
     return "update." + name
+
+
+def update_tensor_names(names: Sequence[str]) -> List[str]:
+    """The registry keys of the update residuals of parameters called ``names`` (in the optimizer's order): a
+    parameter's name where it is unique, with ``#i`` (its position among those so named) after a repeated one, so that
+    two models' ``dense/kernel`` keep apart and the keys stay the same from run to run."""
+    seen: Dict[str, int] = {}
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+    taken: Dict[str, int] = {}
+    keys: List[str] = []
+    for name in names:
+        if seen[name] == 1:
+            keys.append(update_tensor_name(name))
+            continue
+        position = taken.get(name, 0)
+        taken[name] = position + 1
+        keys.append(update_tensor_name(f"{name}#{position}"))
+    return keys
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,20 @@ to Horovod's originals unchanged; marked ones start the compressed reduction, an
 Horovod's originals (grouped ones stay grouped). The user-facing constructors are wrapped to refuse, at
 construction, an op TopKEF cannot do, and to adapt Horovod to Keras 3 (:mod:`horovod_topk.tensorflow.keras3`):
 the tape accepts Keras 3 variables, and a Keras 3 optimizer given to either ``DistributedOptimizer`` gets a
-wrapper that reduces its gradients (Horovod's own would silently not).
+wrapper that reduces its gradients (Horovod's own would silently not). A Keras optimizer (2 or 3) given with
+``TopKEF(target="update")`` gets update mode's wrapper (:mod:`horovod_topk.tensorflow.update_mode`); the paths that
+only see gradients (the tape, TensorFlow 1 optimizers) refuse update mode at construction.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable, List, Optional, Sequence
 
+import tensorflow as tf
+
 from ..core import PendingReduction, group_member_name, pending_of, refuse_unsupported_op
 from ..core.update_mode import TAPE_REFUSAL, TENSORFLOW_REFUSAL
-from . import keras3
+from . import keras3, update_mode
 from .compressor import TopKEF
 
 __all__ = ["install"]
@@ -28,12 +32,21 @@ def _uses_topk(compression: Any) -> bool:
     return isinstance(compression, TopKEF) or (isinstance(compression, type) and issubclass(compression, TopKEF))
 
 
+def _update_mode(compression: Any) -> bool:
+    """Whether ``compression`` is a TopKEF in update mode (core.update_mode)."""
+    if not _uses_topk(compression):
+        return False
+    compressor = compression if isinstance(compression, TopKEF) else compression.default()
+    return compressor.config.target == "update"
+
+
 def _refuse_update_mode(compression: Any, message: str) -> None:
-    """Raise ``message`` when ``compression`` is a TopKEF in update mode (core.update_mode)."""
-    if _uses_topk(compression):
-        compressor = compression if isinstance(compression, TopKEF) else compression.default()
-        if compressor.config.target == "update":
-            raise ValueError(message)
+    if _update_mode(compression):
+        raise ValueError(message)
+
+
+def _is_tf1_optimizer(optimizer: Any) -> bool:
+    return isinstance(optimizer, tf.compat.v1.train.Optimizer)
 
 
 def install() -> None:
@@ -105,7 +118,10 @@ def install() -> None:
         return outputs
 
     def refusing(constructor: Callable[..., Any], compression_index: int, op_index: int, update_refusal: str,
-                 adapt: Callable[[Any], Any] = lambda made: made) -> Callable[..., Any]:
+                 adapt: Callable[[Any], Any] = lambda made: made,
+                 sees_steps: Callable[[Any], bool] = lambda made_from: False) -> Callable[..., Any]:
+        """``constructor`` refusing, at construction, an op TopKEF cannot do, and update mode unless
+        ``sees_steps(first argument)`` (a Keras optimizer: its wrapper runs the step)."""
         def argument(args: Sequence[Any], kwargs: Any, key: str, index: int) -> Any:
             return kwargs.get(key, args[index] if len(args) > index else None)
 
@@ -114,7 +130,8 @@ def install() -> None:
             compression = argument(args, kwargs, "compression", compression_index)
             refuse_unsupported_op(_uses_topk(compression), argument(args, kwargs, "op", op_index), Average, Sum,
                                   Adasum)
-            _refuse_update_mode(compression, update_refusal)
+            if not sees_steps(argument(args, kwargs, "optimizer", 0)):
+                _refuse_update_mode(compression, update_refusal)
             return adapt(constructor(*args, **kwargs))
         return wrapper
 
@@ -124,7 +141,11 @@ def install() -> None:
     def create_distributed_optimizer(**kwargs: Any) -> Any:
         """What both DistributedOptimizers build a Keras optimizer with (Horovod 0.28.1 passes keywords only)."""
         refuse_unsupported_op(_uses_topk(kwargs.get("compression")), kwargs.get("op"), Average, Sum, Adasum)
-        _refuse_update_mode(kwargs.get("compression"), TENSORFLOW_REFUSAL)
+        if _update_mode(kwargs.get("compression")):
+            return update_mode.distributed_optimizer(
+                kwargs["optimizer"], compression=kwargs["compression"],
+                process_set=kwargs.get("process_set", global_process_set), op=kwargs.get("op", Average),
+                backward_passes_per_step=kwargs.get("backward_passes_per_step", 1))
         if not keras3.is_keras3_optimizer(kwargs.get("optimizer")):
             return keras_optimizer(**kwargs)
         return keras3.distributed_optimizer(
@@ -138,7 +159,8 @@ def install() -> None:
     hvd._allreduce = _allreduce
     hvd._grouped_allreduce = _grouped_allreduce
     # positional indices of `compression` and `op` in each constructor's signature (Horovod 0.28.1)
-    hvd.DistributedOptimizer = refusing(hvd.DistributedOptimizer, 5, 8, TENSORFLOW_REFUSAL)
+    hvd.DistributedOptimizer = refusing(hvd.DistributedOptimizer, 5, 8, TENSORFLOW_REFUSAL,
+                                        sees_steps=lambda optimizer: not _is_tf1_optimizer(optimizer))
     if hasattr(hvd, "DistributedGradientTape"):
         hvd.DistributedGradientTape = refusing(hvd.DistributedGradientTape, 3, 5, TAPE_REFUSAL,
                                                keras3.adapt_gradient_tape)

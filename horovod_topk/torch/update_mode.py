@@ -31,6 +31,7 @@ from ..core import PendingReduction
 from ..core.update_mode import (
     ADAM_FAMILY,
     MOMENTS_NAME,
+    NONFINITE_NAME,
     block_count,
     moments_layout,
     resolve_second_moment,
@@ -39,10 +40,8 @@ from ..core.update_mode import (
 )
 from . import update_rule
 
-__all__ = ["UpdateStep", "LocalHandle", "FLAG_NAME", "adapt_broadcast_optimizer_state"]
+__all__ = ["UpdateStep", "LocalHandle", "adapt_broadcast_optimizer_state"]
 
-#: The name of synchronize()'s non-finite agreement (a one-element allreduce).
-FLAG_NAME = "topk.update.nonfinite"
 #: What torch.optim.Adam/AdamW keep per parameter (without amsgrad): a state update mode adopts.
 _ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
@@ -186,7 +185,7 @@ class UpdateStep:
         entries = [(name, p) for name, p in self._entries() if p.grad is not None and p.grad.is_floating_point()]
         counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries]
         count = torch.stack(counts).sum().reshape(1).float().cpu() if counts else torch.zeros(1)
-        total = float(self._allreduce_sum(count, FLAG_NAME)[0])
+        total = float(self._allreduce_sum(count, NONFINITE_NAME)[0])
         self._count_bytes(self._entries()[:1], [count.numel() * count.element_size()])
         self._skip = total > 0
         if self._skip:

@@ -125,18 +125,6 @@ def test_adasum_is_refused_at_construction():
         hvd.DistributedGradientTape(tape, compression=TopKEF, op=hvd.Adasum)
 
 
-def test_update_mode_is_refused_with_a_message_that_says_what_to_use():
-    import horovod.tensorflow.keras as hvd_keras
-
-    with tf.GradientTape() as tape:
-        tf.reduce_sum(tf.Variable(1.0) * 2.0)
-    with pytest.raises(ValueError, match="gradient tape only returns gradients.*target='gradient'"):
-        hvd.DistributedGradientTape(tape, compression=TopKEF(target="update"))
-    for wrapper in (hvd.DistributedOptimizer, hvd_keras.DistributedOptimizer):
-        with pytest.raises(ValueError, match="TensorFlow and Keras optimizers do not have it yet"):
-            wrapper(tf.keras.optimizers.SGD(0.1), compression=TopKEF(target="update"))
-
-
 def _keras_fit(compression, epochs=2, wrapper=None):
     import horovod.tensorflow.keras as hvd_keras
 

@@ -1,0 +1,190 @@
+"""Update mode for Keras optimizers (Keras 2 and 3): each rank steps on its own gradient, the updates travel.
+
+``hvd.DistributedOptimizer(keras_optimizer, compression=TopKEF(target="update"))`` and
+``horovod.tensorflow.keras.DistributedOptimizer(...)`` build, in update mode, a subclass of the user's optimizer
+class (same name and config, as Horovod's wrapper does, so a saved model loads without Horovod) whose one entry
+point -- ``apply`` in Keras 3, ``apply_gradients`` in Keras 2 -- runs on every rank:
+
+1. on the first trace, the ranks' agreement check under the name gradient mode gives each gradient's reduction, so
+   ranks in different modes raise ``RankMismatch`` instead of waiting on different collectives;
+2. one allreduce of this rank's count of NaN/Inf gradient entries; when any rank has one, every rank skips the step
+   (parameters, optimizer state, residuals unchanged everywhere), as AMP's loss scaling skips one;
+3. the user's optimizer steps on this rank's own gradient (its clipping, schedule and state are this rank's), the
+   update is the variables before minus after;
+4. each update goes through the compressor (error feedback, selection, allgather / sparse allreduce / compact
+   encoding, Horovod's dense allreduce where core's plan says dense), keyed ``update.<variable>``;
+5. every rank sets each variable to (before - the averaged update): the same bytes on every rank.
+
+The math and the decisions are core's (core.update_mode, core.plan via ``TopKEF.start_reduction``); this module
+only orders the TensorFlow ops. The shared second moment is PyTorch's (it computes torch's Adam): refused here.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from ..core import RankMismatch, check_name, fingerprint, mismatch_message
+from ..core.update_mode import NONFINITE_NAME, update_tensor_names
+from . import keras3
+
+__all__ = ["distributed_optimizer", "update_keys"]
+
+
+def _refuse(compressor: Any, op: Any, backward_passes_per_step: int, average: Any) -> None:
+    """What update mode cannot do with a Keras optimizer, refused by name before training."""
+    if compressor.config.second_moment == "shared":
+        raise ValueError("horovod-topk: TopKEF(target='update', second_moment='shared') computes torch's Adam and is "
+                         "PyTorch's; with Keras use second_moment='local' (each rank steps its own optimizer)")
+    if op != average:
+        raise ValueError("horovod-topk: TopKEF(target='update') averages the ranks' optimizer updates; use "
+                         "op=hvd.Average (a sum of P normalised updates is P times the step)")
+    if backward_passes_per_step != 1:
+        raise ValueError("horovod-topk: TopKEF(target='update') with backward_passes_per_step > 1 is not supported "
+                         "with Keras optimizers; use the optimizer's own gradient accumulation "
+                         "(Keras 3: gradient_accumulation_steps) or target='gradient'")
+
+
+def update_keys(variables: Sequence[Any]) -> List[str]:
+    """The registry keys of the variables' update residuals (core.update_mode.update_tensor_names) from their
+    names: Keras 3's path, Keras 2's name without the ``:0`` output suffix. Both carry Keras's layer numbering, so
+    a checkpoint's residuals meet their variables in a new process that builds the same model."""
+    from horovod.tensorflow.mpi_ops import _normalize_name
+
+    names = []
+    for variable in variables:
+        name = getattr(variable, "path", None) or variable.name
+        names.append(_normalize_name(name[:-2] if name.endswith(":0") else name))
+    return update_tensor_names(names)
+
+
+class UpdateStep:
+    """One Keras optimizer's update-mode step: ``__call__(local_apply, grads, variables)``.
+
+    Args:
+        compressor: the TopKEF (``target="update"``) that holds the update residuals.
+        process_set: Horovod's process set of the wrapped optimizer.
+    """
+
+    def __init__(self, compressor: Any, process_set: Any) -> None:
+        self.compressor = compressor
+        self.process_set = process_set
+        #: Gradient reduction names whose agreement check ran (it runs at trace time, once per name).
+        self._checked: set = set()
+
+    def __call__(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: Sequence[Any],
+                 variables: Sequence[Any]) -> tf.Tensor:
+        """Run the step; True where it was taken, False where some rank's gradient was non-finite (skipped)."""
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        if not pairs:
+            return tf.constant(False)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        targets = keras3.tf_variables(list(variables))  # the tf.Variables (Keras 3 wraps one in each)
+        keys = update_keys(variables)
+        self._check_modes(grads, targets)
+        finite = self._agree_finite(grads)
+
+        def step() -> tf.Tensor:
+            before = [tf.identity(t.read_value()) for t in targets]
+            with tf.control_dependencies(before):
+                applied = local_apply(grads, variables)
+            with tf.control_dependencies([a for a in tf.nest.flatten(applied) if a is not None]):
+                updates = [b - t.read_value() for b, t in zip(before, targets)]
+            averaged = [self._exchange(u, key) for u, key in zip(updates, keys)]
+            assigns = [t.assign(b - a) for t, b, a in zip(targets, before, averaged)]
+            with tf.control_dependencies(assigns):
+                return tf.constant(True)
+
+        if tf.executing_eagerly():  # no cond to build: the ranks agree on `finite`, so they branch alike
+            return step() if bool(finite) else tf.constant(False)
+        return tf.cond(finite, step, lambda: tf.constant(False))
+
+    def _agree_finite(self, grads: Sequence[Any]) -> tf.Tensor:
+        """Whether every rank's gradients are finite: one allreduce (Sum) of the ranks' non-finite counts."""
+        from horovod.tensorflow import _allreduce
+        from horovod.tensorflow.mpi_ops import Sum
+
+        counts = []
+        for g in grads:
+            values = g.values if isinstance(g, tf.IndexedSlices) else g
+            if values.dtype.is_floating:
+                counts.append(tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.float32)))
+        count = tf.reshape(tf.add_n(counts) if counts else tf.constant(0.0), [1])
+        total = _allreduce(count, name=NONFINITE_NAME, op=Sum, ignore_name_scope=True, process_set=self.process_set)
+        return tf.equal(tf.reshape(total, []), 0.0)
+
+    def _exchange(self, update: tf.Tensor, key: str) -> tf.Tensor:
+        """The ranks' average of ``update`` through the compressor (or Horovod's dense allreduce where core plans a
+        dense tensor)."""
+        from horovod.tensorflow import _allreduce
+        from horovod.tensorflow.mpi_ops import Average
+
+        marked, pending = self.compressor.compress(update)
+        reduced = self.compressor.start_reduction(marked, pending, key, op_name="average", prescale_factor=1.0,
+                                                  postscale_factor=1.0, process_set=self.process_set)
+        if reduced is None:  # unmarked: the routing hands it to Horovod's own allreduce
+            reduced = _allreduce(update, name=f"{key}.dense", op=Average, ignore_name_scope=True,
+                                 process_set=self.process_set)
+        return tf.reshape(reduced, tf.shape(update))
+
+    def _check_modes(self, grads: Sequence[Any], targets: Sequence[Any]) -> None:
+        """At trace time, under the name gradient mode gives each gradient's reduction (its graph name), the
+        agreement check gradient mode runs there: a rank in gradient mode and one in update mode then see each
+        other's configuration and raise RankMismatch instead of hanging. Eager gradients have no graph name (and
+        gradient mode sends them dense, unchecked): nothing to meet there."""
+        from horovod.tensorflow.mpi_ops import _normalize_name, allgather
+
+        for grad, target in zip(grads, targets):
+            source = None if tf.executing_eagerly() else getattr(grad, "name", None)
+            if source is None:
+                continue
+            name = _normalize_name(source)
+            if name in self._checked:
+                continue
+            self._checked.add(name)
+            with tf.init_scope():
+                row = tf.constant([fingerprint(self.compressor.config, tuple(target.shape), grad.dtype, 0, None)],
+                                  tf.int64)
+                rows = allgather(row, name=check_name(name), ignore_name_scope=True,
+                                 process_set=self.process_set).numpy()
+            message = mismatch_message(name, rows.tolist())
+            if message is not None:
+                raise RankMismatch(message)
+
+
+def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any, op: Any,
+                          backward_passes_per_step: int = 1) -> Any:
+    """A copy of the Keras ``optimizer`` (Keras 2 or 3) that trains in update mode with ``compression``.
+
+    Horovod's reduction options (``groups``, ``sparse_as_dense``, ``gradient_predivide_factor``, devices) concern a
+    gradient allreduce, which update mode does not run: the updates are exchanged one per variable."""
+    from horovod.tensorflow.mpi_ops import Average
+
+    from .compressor import TopKEF
+
+    compressor = compression if isinstance(compression, TopKEF) else compression.default()
+    _refuse(compressor, op, backward_passes_per_step, Average)
+    run = UpdateStep(compressor, process_set)
+    base = type(optimizer)
+
+    if keras3.is_keras3_optimizer(optimizer):
+        def apply(self: Any, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
+            variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
+            if not self.built:  # before the cond: variables are created outside its branches
+                self.build(variables)
+                self.built = True
+            run(lambda g, v: super(cls, self).apply(g, v), list(grads), variables)
+            return self.iterations
+
+        members = {"apply": apply}
+    else:
+        def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+            pairs: List[Tuple[Any, Any]] = list(grads_and_vars)
+            run(lambda g, v: super(cls, self).apply_gradients(list(zip(g, v)), *args, **kwargs),
+                [g for g, _ in pairs], [v for _, v in pairs])
+            return self.iterations
+
+        members = {"apply_gradients": apply_gradients}
+    members.update({"__module__": base.__module__, "_horovod_topk_update_mode": True})
+    cls = type(base.__name__, (base,), members)
+    return cls.from_config(optimizer.get_config())

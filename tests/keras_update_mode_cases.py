@@ -1,0 +1,212 @@
+"""Update mode through the Keras optimizer wrappers, on 2 real Horovod workers: the cases both Keras suites run.
+
+tests/parallel_tf (Keras 2 behind tf.keras) and tests/parallel_keras3 (Keras 3) import these tests; the Keras under
+``tf.keras`` is whichever the suite's conftest chose before TensorFlow loaded. Every test issues the same
+collectives in the same order on every rank and asserts after them.
+"""
+import importlib
+
+import horovod.tensorflow as hvd
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from horovod_topk.core import RankMismatch
+from horovod_topk.tensorflow import TopKEF
+from horovod_topk.tensorflow.update_mode import update_keys
+
+keras = tf.keras
+EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False)
+WRAPPERS = ["horovod.tensorflow.keras", "horovod.tensorflow"]
+
+
+def _model(seed: int = 0):
+    keras.backend.clear_session()  # the same layer names (hence residual keys) as a new process would give
+    keras.utils.set_random_seed(seed)  # the same initial weights on every rank
+    return keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
+
+
+def _batches(steps: int, rank: int):
+    rng = np.random.RandomState(100 + rank)  # every rank its own data: only the exchange makes them agree
+    return [(rng.randn(16, 32).astype(np.float32), rng.randint(0, 4, 16)) for _ in range(steps)]
+
+
+def _wrap(optimizer, compression, wrapper="horovod.tensorflow.keras", **options):
+    return importlib.import_module(wrapper).DistributedOptimizer(optimizer, compression=compression, **options)
+
+
+def _loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _train_step(model, optimizer):
+    loss_fn = _loss_fn()
+
+    @tf.function
+    def step(x, y, poison):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        grads = [grads[0] * poison] + list(grads[1:])  # poison = NaN puts a NaN in this rank's first gradient
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
+
+    return step
+
+
+def _weights(model):
+    return [w.copy() for w in model.get_weights()]
+
+
+def _same_on_every_rank(arrays, name):
+    gathered = hvd.allgather_object([np.asarray(a) for a in arrays], name=name)
+    return all(all(np.array_equal(u, v) for u, v in zip(gathered[0], other)) for other in gathered[1:])
+
+
+def _residuals(compressor):
+    state = compressor.state_dict()["tensors"]
+    return {key: np.asarray(entry["residual"], np.float64) for key, entry in state.items()
+            if entry.get("residual") is not None}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_update_mode_sgd_at_ratio_one_trains_as_dense_horovod(wrapper):
+    """SGD without momentum: the update is lr times the gradient, so averaging updates is averaging gradients."""
+    def fit(compression):
+        model = _model()
+        model.compile(optimizer=_wrap(keras.optimizers.SGD(0.1), compression, wrapper), loss=_loss_fn())
+        x, y = _batches(1, hvd.rank())[0]
+        model.fit(np.repeat(x, 4, 0), np.repeat(y, 4, 0), batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return _weights(model)
+
+    plain = fit(hvd.Compression.none)
+    compressor = TopKEF(target="update", **EVERYTHING)
+    ours = fit(compressor)
+    for i, (u, v) in enumerate(zip(ours, plain)):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6, err_msg=f"weight {i}")
+    assert _same_on_every_rank(ours, f"update.sgd.{wrapper}")
+    stats = compressor.stats()
+    assert stats["steps"] == 8 and stats["tensors_compressed"] == 6
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_update_mode_adam_error_feedback_invariant_and_identical_ranks(exchange):
+    """Per step and tensor: sum of the ranks' new residuals + P * applied == sum of (old residual + local update),
+    where the local update is what a plain Adam (the same hyperparameters, the same gradients) does to a twin of the
+    variables; and every rank's parameters are the same bytes."""
+    size = hvd.size()
+    model, twin = _model(), _model()
+    compressor = TopKEF(ratio=0.05, min_numel=256, exchange=exchange, target="update")
+    optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
+    plain = keras.optimizers.Adam(1e-2)
+    step = _train_step(model, optimizer)
+    key = update_keys(model.trainable_variables)[0]  # the first kernel (32 x 64): compressed
+    for i, (x, y) in enumerate(_batches(4, hvd.rank())):
+        before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+        old = _residuals(compressor)
+        grads = step(x, y, tf.constant(1.0))
+        twin_before = [v.numpy().astype(np.float64) for v in twin.trainable_variables]
+        plain.apply_gradients(zip(grads, twin.trainable_variables))
+        local = [b - v.numpy().astype(np.float64) for b, v in zip(twin_before, twin.trainable_variables)]
+        applied = [b - v.numpy().astype(np.float64) for b, v in zip(before, model.trainable_variables)]
+        new = _residuals(compressor)
+        gathered = hvd.allgather_object((old.get(key, np.zeros_like(new[key])), new[key], local[0].reshape(-1)),
+                                        name=f"invariant.{exchange}.{i}")
+        total_old = sum(o + u for o, _, u in gathered)
+        total_new = sum(n for _, n, _ in gathered)
+        np.testing.assert_allclose(total_new + size * applied[0].reshape(-1), total_old, rtol=1e-5, atol=1e-7)
+        assert np.abs(total_new).sum() > 0  # something was held back: Top-K did select
+        assert _same_on_every_rank(_weights(model), f"identical.{exchange}.{i}")
+    assert compressor.stats()["bytes_sent"] < compressor.stats()["bytes_dense"] / 2
+
+
+def test_update_mode_one_rank_nonfinite_skips_the_step_on_every_rank():
+    """A NaN in one rank's gradient: no rank changes its parameters, optimizer state or residuals; the next finite
+    step trains on."""
+    model = _model()
+    compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
+    optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
+    step = _train_step(model, optimizer)
+    batches = _batches(3, hvd.rank())
+    step(*batches[0], tf.constant(1.0))
+    weights, residuals = _weights(model), _residuals(compressor)
+    iterations = int(optimizer.iterations.numpy())
+    poison = tf.constant(float("nan") if hvd.rank() == 1 else 1.0)
+    step(*batches[1], poison)
+    unchanged = all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    residuals_after = _residuals(compressor)
+    kept = all(np.array_equal(residuals[k], residuals_after[k]) for k in residuals)
+    skipped = int(optimizer.iterations.numpy()) == iterations
+    step(*batches[2], tf.constant(1.0))
+    finite = all(np.isfinite(w).all() for w in _weights(model)) and all(
+        np.isfinite(r).all() for r in _residuals(compressor).values())
+    moved = not all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    same = _same_on_every_rank(_weights(model), "nonfinite.same")
+    assert unchanged and kept and skipped, (unchanged, kept, skipped)
+    assert finite and moved and same
+
+
+def test_update_mode_resumes_exactly_from_a_checkpoint():
+    """Residuals (TopKEF.state_dict) and this rank's optimizer state saved after 2 steps: a new model, optimizer and
+    compressor loaded from them take steps 3-4 exactly as the uninterrupted run did."""
+    batches = _batches(4, hvd.rank())
+
+    def start():
+        model = _model()
+        compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
+        optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
+        return model, compressor, optimizer, _train_step(model, optimizer)
+
+    model, compressor, optimizer, step = start()
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            saved = (_weights(model), compressor.state_dict(), [v.numpy() for v in optimizer.variables])
+        step(x, y, tf.constant(1.0))
+    straight = _weights(model)
+
+    model, compressor, optimizer, step = start()
+    model.set_weights(saved[0])
+    compressor.load_state_dict(saved[1])
+    optimizer.build(model.trainable_variables)
+    for variable, value in zip(optimizer.variables, saved[2]):
+        variable.assign(value)
+    for x, y in batches[2:]:
+        step(x, y, tf.constant(1.0))
+    resumed = _weights(model)
+    assert all(np.array_equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_update_mode_ranks_in_different_modes_raise_instead_of_hanging():
+    """Rank 0 in update mode, the others in gradient mode: the first traced step raises RankMismatch naming the
+    target on every rank (the agreement check runs under the gradient's reduction name in both modes)."""
+    model = _model()
+    target = "update" if hvd.rank() == 0 else "gradient"
+    optimizer = _wrap(keras.optimizers.SGD(0.1), TopKEF(ratio=0.05, min_numel=256, target=target))
+    model.compile(optimizer=optimizer, loss=_loss_fn())
+    x, y = _batches(1, hvd.rank())[0]
+    with pytest.raises(RankMismatch, match="target"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_update_mode_refuses_what_it_cannot_do_by_name():
+    import horovod.tensorflow.keras as hvd_keras
+
+    with tf.GradientTape() as tape:
+        tf.reduce_sum(tf.Variable(1.0) * 2.0)
+    with pytest.raises(ValueError, match="gradient tape only returns gradients.*target='gradient'"):
+        hvd.DistributedGradientTape(tape, compression=TopKEF(target="update"))
+    with pytest.raises(ValueError, match="hands over gradients only"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                 compression=TopKEF(target="update"))
+    with pytest.raises(ValueError, match="op=hvd.Average"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=TopKEF(target="update"), op=hvd.Sum)
+    with pytest.raises(ValueError, match="second_moment='local'"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.1),
+                                       compression=TopKEF(target="update", second_moment="shared"))
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=TopKEF(target="update"),
+                                       backward_passes_per_step=2)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.5), compression=TopKEF(target="update"))
+    assert isinstance(opt, keras.optimizers.SGD) and type(opt).__name__ == "SGD"
+    assert opt.get_config()["momentum"] == 0.5
