@@ -210,3 +210,29 @@ def test_update_mode_refuses_what_it_cannot_do_by_name():
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.5), compression=TopKEF(target="update"))
     assert isinstance(opt, keras.optimizers.SGD) and type(opt).__name__ == "SGD"
     assert opt.get_config()["momentum"] == 0.5
+
+
+def test_update_mode_elastic_commit_and_restore_return_the_update_residuals():
+    """hvd.elastic.TensorFlowKerasState tracking the compressor: a restore puts the update residuals and the model
+    back to the commit; the traced step then trains on."""
+    model = _model()
+    compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
+    optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
+    step = _train_step(model, optimizer)
+    batches = _batches(5, hvd.rank())
+    step(*batches[0], tf.constant(1.0))
+    state = compressor.elastic_state(hvd.elastic.TensorFlowKerasState(model, optimizer, batch=0))
+    step(*batches[1], tf.constant(1.0))
+    state.commit()
+    committed, committed_model = _residuals(compressor), _weights(model)
+    for x, y in batches[2:4]:
+        step(x, y, tf.constant(1.0))
+    moved = _residuals(compressor)
+    state.restore()
+    restored, restored_model = _residuals(compressor), _weights(model)
+    step(*batches[4], tf.constant(1.0))
+    assert committed and set(committed) == set(restored) and all(k.startswith("update.") for k in committed)
+    assert any(not np.array_equal(moved[k], committed[k]) for k in committed)
+    assert all(np.array_equal(restored[k], committed[k]) for k in committed)
+    assert all(np.array_equal(a, b) for a, b in zip(restored_model, committed_model))
+    assert _same_on_every_rank(_weights(model), "elastic.same")

@@ -93,6 +93,9 @@ class TopKEF(TopKEFBase[Any]):
         self._momentum_vars: Dict[str, tf.Variable] = self._trackable.momentum
         self._level_vars: Dict[str, tf.Variable] = self._trackable.levels
         self._counter_vars: Dict[str, tf.Variable] = self._trackable.counters
+        #: Gradient reduction names whose update-mode agreement check ran (horovod_topk.tensorflow.update_mode):
+        #: forgotten with the tensors' own checks after a load or an elastic reset, so every rank checks again.
+        self.checked_gradients: set = set()
 
     def elastic_state(self, state: Any) -> Any:
         """``state`` (``hvd.elastic.TensorFlowKerasState`` or ``TensorFlowState``), made to commit, restore and
@@ -400,6 +403,9 @@ class TopKEF(TopKEFBase[Any]):
                     loaded = getattr(record, field)
                     variables[name].assign(np.zeros(variables[name].shape) if loaded is None else loaded)
                     setattr(record, field, variables[name])
+
+    def _forget_agreements(self) -> None:
+        self.checked_gradients.clear()
 
     def _variables_of(self, name: str) -> list:
         kinds = (self._counter_vars, self._residual_vars, self._momentum_vars, self._level_vars)

@@ -69,8 +69,6 @@ class UpdateStep:
     def __init__(self, compressor: Any, process_set: Any) -> None:
         self.compressor = compressor
         self.process_set = process_set
-        #: Gradient reduction names whose agreement check ran (it runs at trace time, once per name).
-        self._checked: set = set()
 
     def __call__(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: Sequence[Any],
                  variables: Sequence[Any]) -> tf.Tensor:
@@ -139,9 +137,9 @@ class UpdateStep:
             if source is None:
                 continue
             name = _normalize_name(source)
-            if name in self._checked:
+            if name in self.compressor.checked_gradients:  # once per name, until a load or an elastic reset
                 continue
-            self._checked.add(name)
+            self.compressor.checked_gradients.add(name)
             with tf.init_scope():
                 row = tf.constant([fingerprint(self.compressor.config, tuple(target.shape), grad.dtype, 0, None)],
                                   tf.int64)
@@ -150,6 +148,14 @@ class UpdateStep:
             message = mismatch_message(name, rows.tolist())
             if message is not None:
                 raise RankMismatch(message)
+
+
+class _CallableList(list):
+    """The optimizer's variables, readable as Keras 3's property and as the method Horovod's elastic
+    ``TensorFlowKerasState`` calls (``optimizer.variables()``), as Horovod's own Keras wrapper provides."""
+
+    def __call__(self) -> "_CallableList":
+        return self
 
 
 def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any, op: Any,
@@ -185,6 +191,11 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
             return self.iterations
 
         members = {"apply_gradients": apply_gradients}
-    members.update({"__module__": base.__module__, "_horovod_topk_update_mode": True})
+    def variables(self: Any) -> _CallableList:
+        found = super(cls, self).variables
+        return _CallableList(found() if callable(found) else found)
+
+    members.update({"variables": property(variables), "__module__": base.__module__,
+                    "_horovod_topk_update_mode": True})
     cls = type(base.__name__, (base,), members)
     return cls.from_config(optimizer.get_config())
