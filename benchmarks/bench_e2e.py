@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
 #: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
-EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto"]
+EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto", "update0.01"]
 MODELS = ["mlp", "digits", "charlm", "gptlm"]
 
 
@@ -82,6 +82,8 @@ def compression_for(method: str):
         return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
     if method == "auto":  # ratio="auto" with its defaults (budget 0.1)
         return TopKEF(ratio="auto")
+    if method.startswith("update"):  # update mode: each rank's own optimizer steps, its update travels
+        return TopKEF(ratio=float(method[len("update"):]), target="update")
     ratio, _, exchange = method[len("topk"):].partition("-")
     return TopKEF(ratio=float(ratio), exchange=exchange or "auto")
 
