@@ -236,3 +236,28 @@ def test_update_mode_elastic_commit_and_restore_return_the_update_residuals():
     assert all(np.array_equal(restored[k], committed[k]) for k in committed)
     assert all(np.array_equal(a, b) for a, b in zip(restored_model, committed_model))
     assert _same_on_every_rank(_weights(model), "elastic.same")
+
+
+def _scale(optimizer):
+    return float(optimizer.dynamic_scale if hasattr(optimizer, "dynamic_scale") else optimizer.loss_scale)
+
+
+def test_update_mode_loss_scale_optimizer_lowers_its_scale_on_every_rank_when_one_overflows():
+    """A LossScaleOptimizer: one rank's NaN skips the step everywhere and every rank's loss scale goes down (a skip
+    it never saw would leave the scale where it overflows, and skip every later step too)."""
+    model = _model()
+    optimizer = _wrap(keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(1e-2)),
+                      TopKEF(ratio=0.05, min_numel=256, target="update"))
+    step = _train_step(model, optimizer)
+    batches = _batches(3, hvd.rank())
+    step(*batches[0], tf.constant(1.0))
+    weights, scale = _weights(model), _scale(optimizer)
+    step(*batches[1], tf.constant(float("nan") if hvd.rank() == 1 else 1.0))
+    unchanged = all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    lowered = _scale(optimizer)
+    step(*batches[2], tf.constant(1.0))
+    moved = not all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    scales = hvd.allgather_object(lowered, name="lso.scales")
+    same = _same_on_every_rank(_weights(model), "lso.same")
+    assert unchanged and moved and same
+    assert all(s == scale / 2 for s in scales), (scale, scales)

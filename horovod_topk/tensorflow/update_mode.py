@@ -8,7 +8,9 @@ point -- ``apply`` in Keras 3, ``apply_gradients`` in Keras 2 -- runs on every r
 1. on the first trace, the ranks' agreement check under the name gradient mode gives each gradient's reduction, so
    ranks in different modes raise ``RankMismatch`` instead of waiting on different collectives;
 2. one allreduce of this rank's count of NaN/Inf gradient entries; when any rank has one, every rank skips the step
-   (parameters, optimizer state, residuals unchanged everywhere), as AMP's loss scaling skips one;
+   (parameters, optimizer state, residuals unchanged everywhere), as AMP's loss scaling skips one; a loss-scale
+   optimizer (``LossScaleOptimizer``) is then handed NaN gradients on every rank, so that each lowers its scale
+   as it would have had its own gradient overflowed (skipping without telling it would skip every later step too);
 3. the user's optimizer steps on this rank's own gradient (its clipping, schedule and state are this rank's), the
    update is the variables before minus after;
 4. each update goes through the compressor (error feedback, selection, allgather / sparse allreduce / compact
@@ -66,9 +68,11 @@ class UpdateStep:
         process_set: Horovod's process set of the wrapped optimizer.
     """
 
-    def __init__(self, compressor: Any, process_set: Any) -> None:
+    def __init__(self, compressor: Any, process_set: Any, scales_loss: bool = False) -> None:
         self.compressor = compressor
         self.process_set = process_set
+        #: Whether the optimizer is a loss-scale optimizer, which must see a skipped step's non-finite gradients.
+        self.scales_loss = scales_loss
 
     def __call__(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: Sequence[Any],
                  variables: Sequence[Any]) -> tf.Tensor:
@@ -93,9 +97,18 @@ class UpdateStep:
             with tf.control_dependencies(assigns):
                 return tf.constant(True)
 
+        def skip() -> tf.Tensor:
+            if not self.scales_loss:
+                return tf.constant(False)
+            dense = [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices too
+            nan = [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in dense]
+            applied = local_apply(nan, variables)  # it lowers its loss scale and leaves the variables as they are
+            with tf.control_dependencies([a for a in tf.nest.flatten(applied) if a is not None]):
+                return tf.constant(False)
+
         if tf.executing_eagerly():  # no cond to build: the ranks agree on `finite`, so they branch alike
-            return step() if bool(finite) else tf.constant(False)
-        return tf.cond(finite, step, lambda: tf.constant(False))
+            return step() if bool(finite) else skip()
+        return tf.cond(finite, step, skip)
 
     def _agree_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Whether every rank's gradients are finite: one allreduce (Sum) of the ranks' non-finite counts."""
@@ -170,7 +183,8 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
 
     compressor = compression if isinstance(compression, TopKEF) else compression.default()
     _refuse(compressor, op, backward_passes_per_step, Average)
-    run = UpdateStep(compressor, process_set)
+    # Keras 3's LossScaleOptimizer and Keras 2's (V3) wrap the user's optimizer as ``inner_optimizer``
+    run = UpdateStep(compressor, process_set, scales_loss=hasattr(optimizer, "inner_optimizer"))
     base = type(optimizer)
 
     if keras3.is_keras3_optimizer(optimizer):
