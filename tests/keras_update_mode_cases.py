@@ -55,6 +55,14 @@ def _train_step(model, optimizer):
     return step
 
 
+def _adam_training():
+    """A model, update mode's compressor (ratio 0.05), a wrapped Adam and the traced step over them."""
+    model = _model()
+    compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
+    optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
+    return model, compressor, optimizer, _train_step(model, optimizer)
+
+
 def _weights(model):
     return [w.copy() for w in model.get_weights()]
 
@@ -124,10 +132,7 @@ def test_update_mode_adam_error_feedback_invariant_and_identical_ranks(exchange)
 def test_update_mode_one_rank_nonfinite_skips_the_step_on_every_rank():
     """A NaN in one rank's gradient: no rank changes its parameters, optimizer state or residuals; the next finite
     step trains on."""
-    model = _model()
-    compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
-    optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
-    step = _train_step(model, optimizer)
+    model, compressor, optimizer, step = _adam_training()
     batches = _batches(3, hvd.rank())
     step(*batches[0], tf.constant(1.0))
     weights, residuals = _weights(model), _residuals(compressor)
@@ -152,20 +157,14 @@ def test_update_mode_resumes_exactly_from_a_checkpoint():
     compressor loaded from them take steps 3-4 exactly as the uninterrupted run did."""
     batches = _batches(4, hvd.rank())
 
-    def start():
-        model = _model()
-        compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
-        optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
-        return model, compressor, optimizer, _train_step(model, optimizer)
-
-    model, compressor, optimizer, step = start()
+    model, compressor, optimizer, step = _adam_training()
     for i, (x, y) in enumerate(batches):
         if i == 2:
             saved = (_weights(model), compressor.state_dict(), [v.numpy() for v in optimizer.variables])
         step(x, y, tf.constant(1.0))
     straight = _weights(model)
 
-    model, compressor, optimizer, step = start()
+    model, compressor, optimizer, step = _adam_training()
     model.set_weights(saved[0])
     compressor.load_state_dict(saved[1])
     optimizer.build(model.trainable_variables)
@@ -215,10 +214,7 @@ def test_update_mode_refuses_what_it_cannot_do_by_name():
 def test_update_mode_elastic_commit_and_restore_return_the_update_residuals():
     """hvd.elastic.TensorFlowKerasState tracking the compressor: a restore puts the update residuals and the model
     back to the commit; the traced step then trains on."""
-    model = _model()
-    compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
-    optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
-    step = _train_step(model, optimizer)
+    model, compressor, optimizer, step = _adam_training()
     batches = _batches(5, hvd.rank())
     step(*batches[0], tf.constant(1.0))
     state = compressor.elastic_state(hvd.elastic.TensorFlowKerasState(model, optimizer, batch=0))
