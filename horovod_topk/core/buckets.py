@@ -86,6 +86,21 @@ class BucketTable:
                 self._index[name] = len(self.buckets)
             self.buckets.append(members)
 
+    def add_groups(self, groups: Sequence[Sequence[str]], cap_bytes: int) -> None:
+        """Make each of the user's groups (Horovod's ``groups=``: member names in the order Horovod reduces them)
+        one bucket, whatever its bytes: Horovod reduces a group in one call once all its members are ready, so its
+        compressed members already travel together, and one payload costs them nothing more. ``cap_bytes`` 0 keeps
+        every tensor on its own, as in :meth:`add`."""
+        if cap_bytes == 0:
+            return
+        for members in groups:
+            fresh = tuple(n for n in members if n not in self._index)
+            if len(fresh) < 2:
+                continue
+            for name in fresh:
+                self._index[name] = len(self.buckets)
+            self.buckets.append(fresh)
+
     def bucket_of(self, name: str) -> Optional[int]:
         return self._index.get(name)
 

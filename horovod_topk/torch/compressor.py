@@ -256,6 +256,11 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         self.bucket_table.add([(scope + name, nbytes) for name, nbytes in bucket_member_names(named_parameters)],
                               self.config.bucket_bytes)
 
+    def add_group_buckets(self, groups: List[List[str]], scope: str = "") -> None:
+        """One bucket per group of Horovod's ``groups=`` (member names as the routing sees them, without
+        ``scope``), instead of buckets by bytes: see core.buckets.BucketTable.add_groups."""
+        self.bucket_table.add_groups([[scope + name for name in group] for group in groups], self.config.bucket_bytes)
+
     def _extra_stats(self) -> Dict[str, Any]:
         return {"buckets": self._bucketed.stats()} if len(self.bucket_table) else {}
 

@@ -111,6 +111,22 @@ class GroupHandle:
         return outputs  # type: ignore[return-value]
 
 
+def _horovod_groups(distributed: Any) -> Optional[List[List[str]]]:
+    """The member names of each of Horovod's groups (``groups=``), as its grouped reductions name them; None without
+    groups. Horovod forms the groups when the optimizer is built (the parameter order broadcast from rank 0), in
+    ``_p_to_group``; a group's reduction is named after its first parameter (core.naming.group_member_name)."""
+    by_parameter = getattr(distributed, "_p_to_group", None)
+    if not by_parameter:
+        return None
+    names = distributed._parameter_names
+    groups: List[List[str]] = []
+    for group in dict.fromkeys(by_parameter.values()):  # each group once, in the order Horovod formed them
+        first = names.get(group[0])
+        if first is not None:
+            groups.append([group_member_name(first, position) for position in range(len(group))])
+    return groups
+
+
 def install() -> None:
     """Install the routing once per process (idempotent). Raises ImportError on an unknown Horovod layout."""
     import horovod.torch as hvd
@@ -230,9 +246,12 @@ def install() -> None:
         scope = compressor.scope_for(_named_parameters(optimizer, arguments["named_parameters"]))
         arguments["compression"] = ScopedCompression(compressor, scope)
         distributed = horovod_distributed_optimizer(*bound.args, **bound.kwargs)
-        if compressor.config.target == "gradient" and not arguments.get("groups"):
-            # Horovod's groups= are reduced as groups already (one call each); everything else is bucketed
-            compressor.add_buckets(_named_parameters(optimizer, arguments["named_parameters"]), scope)
+        if compressor.config.target == "gradient":
+            groups = _horovod_groups(distributed)
+            if groups is not None:  # the user's groups= are the buckets (one grouped call each in Horovod)
+                compressor.add_group_buckets(groups, scope)
+            else:
+                compressor.add_buckets(_named_parameters(optimizer, arguments["named_parameters"]), scope)
         if compressor.config.target == "update":  # the step exchanges updates (torch.update_mode)
             UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize).install()
         elif compressor.auto is not None:  # ratio="auto" measures what the step waits for its gradients

@@ -51,6 +51,24 @@ def test_a_bucketed_step_equals_the_per_tensor_step(options):
     assert "buckets" not in per_tensor.stats()
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_horovods_groups_are_the_buckets_and_train_as_per_tensor(exchange):
+    """groups=[[fc1.weight, fc2.weight], [head.weight, head.bias]]: each group is one bucket (its two compressed
+    members share one payload per step), bit for bit the per-tensor step."""
+    options = {"ratio": 0.05, "exchange": exchange}
+    grouped, per_tensor = TopKEF(**options), TopKEF(**options, **PER_TENSOR)
+    ours = train(grouped, steps=5, groups="list")
+    theirs = train(per_tensor, steps=5, groups="list")
+    assert differs(ours, theirs) == []
+    for name, record in per_tensor.registry.records.items():
+        if record.residual is not None:
+            assert torch.equal(grouped.registry.records[name].residual, record.residual), name
+    buckets = grouped.stats()["buckets"]
+    # fc1/fc2 compressed, head's two members dense (under min_numel): one collective per step for fc1 + fc2
+    assert buckets["buckets"] == 2 and buckets["collectives"] == 5 and buckets["tensors"] == 5 * 2, buckets
+    assert "buckets" not in per_tensor.stats()
+
+
 def test_a_bucket_leaves_during_backward_once_its_last_member_is_ready():
     """Small buckets: the ones whose members are ready before backward ends are sent from the hooks, not from
     synchronize()."""
