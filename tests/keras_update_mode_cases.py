@@ -136,12 +136,14 @@ def test_update_mode_one_rank_nonfinite_skips_the_step_on_every_rank():
     batches = _batches(3, hvd.rank())
     step(*batches[0], tf.constant(1.0))
     weights, residuals = _weights(model), _residuals(compressor)
+    state = [v.numpy().copy() for v in optimizer.variables]
     iterations = int(optimizer.iterations.numpy())
     poison = tf.constant(float("nan") if hvd.rank() == 1 else 1.0)
     step(*batches[1], poison)
     unchanged = all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
     residuals_after = _residuals(compressor)
-    kept = all(np.array_equal(residuals[k], residuals_after[k]) for k in residuals)
+    kept = bool(residuals) and all(np.array_equal(residuals[k], residuals_after[k]) for k in residuals)
+    kept = kept and all(np.array_equal(a, v.numpy()) for a, v in zip(state, optimizer.variables))
     skipped = int(optimizer.iterations.numpy()) == iterations
     step(*batches[2], tf.constant(1.0))
     finite = all(np.isfinite(w).all() for w in _weights(model)) and all(
@@ -198,8 +200,12 @@ def test_update_mode_refuses_what_it_cannot_do_by_name():
     with pytest.raises(ValueError, match="hands over gradients only"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
                                  compression=TopKEF(target="update"))
-    with pytest.raises(ValueError, match="op=hvd.Average"):
-        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=TopKEF(target="update"), op=hvd.Sum)
+    for wrapper in (hvd_keras.DistributedOptimizer, hvd.DistributedOptimizer):  # the latter drops op for Keras
+        with pytest.raises(ValueError, match="op=hvd.Average"):
+            wrapper(keras.optimizers.SGD(0.1), compression=TopKEF(target="update"), op=hvd.Sum)
+    with pytest.raises(ValueError, match="register_local_var is not supported"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                       compression=TopKEF(target="update")).register_local_var(tf.Variable(1.0))
     with pytest.raises(ValueError, match="second_moment='local'"):
         hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.1),
                                        compression=TopKEF(target="update", second_moment="shared"))
@@ -257,3 +263,49 @@ def test_update_mode_loss_scale_optimizer_lowers_its_scale_on_every_rank_when_on
     same = _same_on_every_rank(_weights(model), "lso.same")
     assert unchanged and moved and same
     assert all(s == scale / 2 for s in scales), (scale, scales)
+
+
+def test_update_mode_fixed_loss_scale_skips_without_applying_nan():
+    """A LossScaleOptimizer with a fixed scale (Keras 2's dynamic=False) applies whatever it is handed: a skipped
+    step must not hand it NaN gradients."""
+    try:
+        inner = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(1e-2), dynamic=False,
+                                                         initial_scale=8.0)
+    except (TypeError, ValueError):  # Keras 3 refuses dynamic=False (its scale is always dynamic)
+        pytest.skip("this Keras's LossScaleOptimizer has no fixed scale")
+    model = _model()
+    optimizer = _wrap(inner, TopKEF(ratio=0.05, min_numel=256, target="update"))
+    step = _train_step(model, optimizer)
+    batches = _batches(2, hvd.rank())
+    step(*batches[0], tf.constant(1.0))
+    weights = _weights(model)
+    step(*batches[1], tf.constant(float("nan") if hvd.rank() == 1 else 1.0))
+    after = _weights(model)
+    assert all(np.isfinite(w).all() for w in after)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, after))
+
+
+def test_update_mode_variables_of_the_same_name_keep_apart_in_a_traced_step():
+    """Two models built alike (the same variable names): each variable gets its own residual key, valid as a
+    collective's name inside tf.function, and training keeps the ranks identical."""
+    def twin():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, name="same")], name="twin")
+
+    first, second = twin(), twin()
+    variables = first.trainable_variables + second.trainable_variables
+    keys = update_keys(variables)
+    compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
+    optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(first(x))) + tf.reduce_mean(tf.abs(second(x)))
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    for x, _ in _batches(3, hvd.rank()):
+        step(x)
+    assert len(set(keys)) == len(keys) == 4 and sum(".dup" in k for k in keys) == 4  # the names did collide
+    assert set(_residuals(compressor)) <= set(keys) and len(_residuals(compressor)) == 2  # the two kernels
+    assert _same_on_every_rank([v.numpy() for v in variables], "same.names")

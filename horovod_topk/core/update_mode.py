@@ -77,8 +77,9 @@ def update_tensor_name(name: str) -> str:
 
 def update_tensor_names(names: Sequence[str]) -> List[str]:
     """The registry keys of the update residuals of parameters called ``names`` (in the optimizer's order): a
-    parameter's name where it is unique, with ``#i`` (its position among those so named) after a repeated one, so that
-    two models' ``dense/kernel`` keep apart and the keys stay the same from run to run."""
+    parameter's name where it is unique, with ``.dup<i>`` (its position among those so named) after a repeated one,
+    so that two models' ``dense/kernel`` keep apart and the keys stay the same from run to run. The keys name
+    collectives, so they keep to the characters TensorFlow allows in op names."""
     seen: Dict[str, int] = {}
     for name in names:
         seen[name] = seen.get(name, 0) + 1
@@ -90,7 +91,7 @@ def update_tensor_names(names: Sequence[str]) -> List[str]:
             continue
         position = taken.get(name, 0)
         taken[name] = position + 1
-        keys.append(update_tensor_name(f"{name}#{position}"))
+        keys.append(update_tensor_name(f"{name}.dup{position}"))
     return keys
 
 

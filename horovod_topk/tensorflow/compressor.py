@@ -387,6 +387,7 @@ class TopKEF(TopKEFBase[Any]):
                     record.compress_seconds = seconds
 
     def _after_load(self) -> None:
+        self._forget_agreements()
         buffers = ((self._residual_vars, "residual"), (self._momentum_vars, "momentum"))
         if self._telemetry is not None:
             self._telemetry.zero()
@@ -405,6 +406,7 @@ class TopKEF(TopKEFBase[Any]):
                     setattr(record, field, variables[name])
 
     def _forget_agreements(self) -> None:
+        """Forget update mode's agreement checks too: after a load or a reset every rank checks again."""
         self.checked_gradients.clear()
 
     def _variables_of(self, name: str) -> list:
@@ -413,6 +415,7 @@ class TopKEF(TopKEFBase[Any]):
 
     def reset(self) -> None:
         super().reset()
+        self._forget_agreements()
         if self._telemetry is not None:
             self._telemetry.zero()
         for name in self._counter_vars:

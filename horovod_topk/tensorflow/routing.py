@@ -41,11 +41,13 @@ def _update_mode(compression: Any) -> bool:
 
 
 def _refuse_update_mode(compression: Any, message: str) -> None:
+    """Raise ``message`` when ``compression`` is a TopKEF in update mode."""
     if _update_mode(compression):
         raise ValueError(message)
 
 
 def _is_tf1_optimizer(optimizer: Any) -> bool:
+    """TensorFlow 1's optimizers: ``hvd.DistributedOptimizer`` reduces their gradients and never sees the step."""
     return isinstance(optimizer, tf.compat.v1.train.Optimizer)
 
 
@@ -130,8 +132,11 @@ def install() -> None:
             compression = argument(args, kwargs, "compression", compression_index)
             refuse_unsupported_op(_uses_topk(compression), argument(args, kwargs, "op", op_index), Average, Sum,
                                   Adasum)
+            op = argument(args, kwargs, "op", op_index)
             if not sees_steps(argument(args, kwargs, "optimizer", 0)):
                 _refuse_update_mode(compression, update_refusal)
+            elif _update_mode(compression) and op not in (None, Average):  # Horovod drops op on its way to Keras
+                raise ValueError(update_mode.SUM_REFUSAL)
             return adapt(constructor(*args, **kwargs))
         return wrapper
 

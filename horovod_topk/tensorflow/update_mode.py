@@ -9,8 +9,9 @@ point -- ``apply`` in Keras 3, ``apply_gradients`` in Keras 2 -- runs on every r
    ranks in different modes raise ``RankMismatch`` instead of waiting on different collectives;
 2. one allreduce of this rank's count of NaN/Inf gradient entries; when any rank has one, every rank skips the step
    (parameters, optimizer state, residuals unchanged everywhere), as AMP's loss scaling skips one; a loss-scale
-   optimizer (``LossScaleOptimizer``) is then handed NaN gradients on every rank, so that each lowers its scale
-   as it would have had its own gradient overflowed (skipping without telling it would skip every later step too);
+   optimizer with a dynamic scale (``LossScaleOptimizer``) is then handed NaN gradients on every rank, so that each
+   lowers its scale as it would have had its own gradient overflowed (skipping without telling it would skip every
+   later step too);
 3. the user's optimizer steps on this rank's own gradient (its clipping, schedule and state are this rank's), the
    update is the variables before minus after;
 4. each update goes through the compressor (error feedback, selection, allgather / sparse allreduce / compact
@@ -30,7 +31,11 @@ from ..core import RankMismatch, check_name, fingerprint, mismatch_message
 from ..core.update_mode import NONFINITE_NAME, update_tensor_names
 from . import keras3
 
-__all__ = ["distributed_optimizer", "update_keys"]
+__all__ = ["distributed_optimizer", "update_keys", "SUM_REFUSAL"]
+
+#: Why update mode takes op=hvd.Average only with Keras (whose optimizers' updates are not linear in the gradient).
+SUM_REFUSAL = ("horovod-topk: TopKEF(target='update') averages the ranks' optimizer updates; use op=hvd.Average "
+               "(a sum of P normalised updates is P times the step)")
 
 
 def _refuse(compressor: Any, op: Any, backward_passes_per_step: int, average: Any) -> None:
@@ -39,8 +44,7 @@ def _refuse(compressor: Any, op: Any, backward_passes_per_step: int, average: An
         raise ValueError("horovod-topk: TopKEF(target='update', second_moment='shared') computes torch's Adam and is "
                          "PyTorch's; with Keras use second_moment='local' (each rank steps its own optimizer)")
     if op != average:
-        raise ValueError("horovod-topk: TopKEF(target='update') averages the ranks' optimizer updates; use "
-                         "op=hvd.Average (a sum of P normalised updates is P times the step)")
+        raise ValueError(SUM_REFUSAL)
     if backward_passes_per_step != 1:
         raise ValueError("horovod-topk: TopKEF(target='update') with backward_passes_per_step > 1 is not supported "
                          "with Keras optimizers; use the optimizer's own gradient accumulation "
@@ -69,6 +73,8 @@ class UpdateStep:
     """
 
     def __init__(self, compressor: Any, process_set: Any, scales_loss: bool = False) -> None:
+        """``scales_loss``: the optimizer lowers a dynamic loss scale when handed non-finite gradients (it then
+        sees a skipped step's gradients as NaN; a fixed-scale one would apply them)."""
         self.compressor = compressor
         self.process_set = process_set
         #: Whether the optimizer is a loss-scale optimizer, which must see a skipped step's non-finite gradients.
@@ -76,13 +82,18 @@ class UpdateStep:
 
     def __call__(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: Sequence[Any],
                  variables: Sequence[Any]) -> tf.Tensor:
-        """Run the step; True where it was taken, False where some rank's gradient was non-finite (skipped)."""
-        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        if not pairs:
+        """Run the step; True where it was taken, False where some rank's gradient was non-finite (skipped).
+        A rank outside the process set steps on its own, as Horovod's gradient reduction leaves it."""
+        if not self.process_set.included():
+            applied = local_apply(list(grads), list(variables))
+            with tf.control_dependencies([a for a in tf.nest.flatten(applied) if a is not None]):
+                return tf.constant(True)
+        # keys over every variable, before those without a gradient drop out: a key never moves to another one
+        triples = [(g, v, key) for g, v, key in zip(grads, variables, update_keys(variables)) if g is not None]
+        if not triples:
             return tf.constant(False)
-        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        grads, variables, keys = [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
         targets = keras3.tf_variables(list(variables))  # the tf.Variables (Keras 3 wraps one in each)
-        keys = update_keys(variables)
         self._check_modes(grads, targets)
         finite = self._agree_finite(grads)
 
@@ -139,10 +150,12 @@ class UpdateStep:
         return tf.reshape(reduced, tf.shape(update))
 
     def _check_modes(self, grads: Sequence[Any], targets: Sequence[Any]) -> None:
-        """At trace time, under the name gradient mode gives each gradient's reduction (its graph name), the
-        agreement check gradient mode runs there: a rank in gradient mode and one in update mode then see each
-        other's configuration and raise RankMismatch instead of hanging. Eager gradients have no graph name (and
-        gradient mode sends them dense, unchecked): nothing to meet there."""
+        """At trace time, one eager fingerprint allgather per gradient, as gradient mode runs one per gradient when
+        it traces its reductions: the ranks' first traces issue these checks in the same order, so a rank in
+        gradient mode and one in update mode meet in them, see each other's configuration and raise RankMismatch
+        instead of waiting on different collectives. Named after the gradient's graph name (a stable, valid name
+        on every rank). Eager gradients have no graph name (gradient mode sends them dense, unchecked): nothing to
+        meet there."""
         from horovod.tensorflow.mpi_ops import _normalize_name, allgather
 
         for grad, target in zip(grads, targets):
@@ -183,8 +196,10 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
 
     compressor = compression if isinstance(compression, TopKEF) else compression.default()
     _refuse(compressor, op, backward_passes_per_step, Average)
-    # Keras 3's LossScaleOptimizer and Keras 2's (V3) wrap the user's optimizer as ``inner_optimizer``
-    run = UpdateStep(compressor, process_set, scales_loss=hasattr(optimizer, "inner_optimizer"))
+    # Keras 3's LossScaleOptimizer and Keras 2's wrap the user's optimizer as ``inner_optimizer``; Keras 2's may
+    # have a fixed scale (dynamic=False), which applies whatever it is handed
+    scales_loss = hasattr(optimizer, "inner_optimizer") and bool(getattr(optimizer, "dynamic", True))
+    run = UpdateStep(compressor, process_set, scales_loss=scales_loss)
     base = type(optimizer)
 
     if keras3.is_keras3_optimizer(optimizer):
@@ -193,23 +208,31 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
             if not self.built:  # before the cond: variables are created outside its branches
                 self.build(variables)
                 self.built = True
-            run(lambda g, v: super(cls, self).apply(g, v), list(grads), variables)
-            return self.iterations
+            taken = run(lambda g, v: super(cls, self).apply(g, v), list(grads), variables)
+            with tf.control_dependencies([taken]):  # what a graph-mode caller runs must run the step
+                return tf.identity(self.iterations)
 
         members = {"apply": apply}
     else:
         def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
             pairs: List[Tuple[Any, Any]] = list(grads_and_vars)
-            run(lambda g, v: super(cls, self).apply_gradients(list(zip(g, v)), *args, **kwargs),
-                [g for g, _ in pairs], [v for _, v in pairs])
-            return self.iterations
+            taken = run(lambda g, v: super(cls, self).apply_gradients(list(zip(g, v)), *args, **kwargs),
+                        [g for g, _ in pairs], [v for _, v in pairs])
+            with tf.control_dependencies([taken]):  # what a graph-mode caller runs must run the step
+                return tf.identity(self.iterations)
 
         members = {"apply_gradients": apply_gradients}
+
     def variables(self: Any) -> _CallableList:
         found = super(cls, self).variables
         return _CallableList(found() if callable(found) else found)
 
-    members.update({"variables": property(variables), "__module__": base.__module__,
-                    "_horovod_topk_update_mode": True})
+    def register_local_var(self: Any, var: Any) -> None:
+        """Horovod's wrapper keeps such variables' gradients local; update mode exchanges every variable's update."""
+        raise ValueError("horovod-topk: register_local_var is not supported with TopKEF(target='update'): every "
+                         "variable's update is exchanged; use target='gradient' for rank-local variables")
+
+    members.update({"variables": property(variables), "register_local_var": register_local_var,
+                    "__module__": base.__module__})
     cls = type(base.__name__, (base,), members)
     return cls.from_config(optimizer.get_config())

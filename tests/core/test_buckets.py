@@ -80,3 +80,13 @@ def test_bucket_bytes_is_validated_and_in_the_rank_check():
     message = mismatch_message("w", rows)
     assert message is not None and "bucket_bytes" in message
     assert "bucket_bytes=0" in TopKConfig(bucket_bytes=0).describe()
+
+
+def test_add_groups_makes_each_group_one_bucket_whatever_its_bytes():
+    table = BucketTable()
+    table.add_groups([["a#0", "a#1", "a#2"], ["b#0"], ["c#0", "c#1"]], cap_bytes=1)
+    assert table.buckets == [("a#0", "a#1", "a#2"), ("c#0", "c#1")]
+    assert table.bucket_of("a#2") == 0 and table.bucket_of("c#0") == 1 and table.bucket_of("b#0") is None
+    per_tensor = BucketTable()
+    per_tensor.add_groups([["a#0", "a#1"]], cap_bytes=0)
+    assert len(per_tensor) == 0

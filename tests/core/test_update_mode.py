@@ -9,6 +9,7 @@ from horovod_topk.core.update_mode import (
     resolve_second_moment,
     shared_moment_hyperparameters,
     update_tensor_name,
+    update_tensor_names,
 )
 
 
@@ -85,3 +86,12 @@ def test_the_shared_second_moment_is_checked_against_the_optimizer():
         resolve_second_moment("shared", ADAM, [dict(adam[0], amsgrad=True)])
     with pytest.raises(ValueError, match="Lion"):
         resolve_second_moment("shared", "Lion", [{"lr": 0.1}])
+
+
+def test_update_tensor_names_keep_repeated_names_apart_with_valid_op_name_characters():
+    import re
+
+    keys = update_tensor_names(["a", "dense_kernel", "b", "dense_kernel"])
+    assert keys == ["update.a", "update.dense_kernel.dup0", "update.b", "update.dense_kernel.dup1"]
+    assert all(re.fullmatch(r"[A-Za-z0-9.][A-Za-z0-9_.\-/>]*", k) for k in keys)  # TensorFlow's op-name rule
+    assert update_tensor_names(["x", "y"]) == ["update.x", "update.y"]
