@@ -80,11 +80,7 @@ class BucketTable:
         if cap_bytes == 0:
             return  # per tensor: nothing waits for anything
         for members in assign_buckets(fresh, cap_bytes):
-            if len(members) < 2:
-                continue  # a bucket of one is the per-tensor exchange: no need to hold it
-            for name in members:
-                self._index[name] = len(self.buckets)
-            self.buckets.append(members)
+            self._append(members)
 
     def add_groups(self, groups: Sequence[Sequence[str]], cap_bytes: int) -> None:
         """Make each of the user's groups (Horovod's ``groups=``: member names in the order Horovod reduces them)
@@ -94,12 +90,15 @@ class BucketTable:
         if cap_bytes == 0:
             return
         for members in groups:
-            fresh = tuple(n for n in members if n not in self._index)
-            if len(fresh) < 2:
-                continue
-            for name in fresh:
-                self._index[name] = len(self.buckets)
-            self.buckets.append(fresh)
+            self._append(tuple(n for n in members if n not in self._index))
+
+    def _append(self, members: Tuple[str, ...]) -> None:
+        """One more bucket of ``members``; a bucket of one is the per-tensor exchange: not held, not recorded."""
+        if len(members) < 2:
+            return
+        for name in members:
+            self._index[name] = len(self.buckets)
+        self.buckets.append(members)
 
     def bucket_of(self, name: str) -> Optional[int]:
         return self._index.get(name)

@@ -130,9 +130,8 @@ def install() -> None:
         @functools.wraps(constructor)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             compression = argument(args, kwargs, "compression", compression_index)
-            refuse_unsupported_op(_uses_topk(compression), argument(args, kwargs, "op", op_index), Average, Sum,
-                                  Adasum)
             op = argument(args, kwargs, "op", op_index)
+            refuse_unsupported_op(_uses_topk(compression), op, Average, Sum, Adasum)
             if not sees_steps(argument(args, kwargs, "optimizer", 0)):
                 _refuse_update_mode(compression, update_refusal)
             elif _update_mode(compression) and op not in (None, Average):  # Horovod drops op on its way to Keras

@@ -51,6 +51,11 @@ def _refuse(compressor: Any, op: Any, backward_passes_per_step: int, average: An
                          "(Keras 3: gradient_accumulation_steps) or target='gradient'")
 
 
+def _ops_of(applied: Any) -> List[Any]:
+    """What an optimizer's apply returned (an op, a variable, None, a nest of them), as control dependencies."""
+    return [a for a in tf.nest.flatten(applied) if a is not None]
+
+
 def update_keys(variables: Sequence[Any]) -> List[str]:
     """The registry keys of the variables' update residuals (core.update_mode.update_tensor_names) from their
     names: Keras 3's path, Keras 2's name without the ``:0`` output suffix. Both carry Keras's layer numbering, so
@@ -86,7 +91,7 @@ class UpdateStep:
         A rank outside the process set steps on its own, as Horovod's gradient reduction leaves it."""
         if not self.process_set.included():
             applied = local_apply(list(grads), list(variables))
-            with tf.control_dependencies([a for a in tf.nest.flatten(applied) if a is not None]):
+            with tf.control_dependencies(_ops_of(applied)):
                 return tf.constant(True)
         # keys over every variable, before those without a gradient drop out: a key never moves to another one
         triples = [(g, v, key) for g, v, key in zip(grads, variables, update_keys(variables)) if g is not None]
@@ -101,7 +106,7 @@ class UpdateStep:
             before = [tf.identity(t.read_value()) for t in targets]
             with tf.control_dependencies(before):
                 applied = local_apply(grads, variables)
-            with tf.control_dependencies([a for a in tf.nest.flatten(applied) if a is not None]):
+            with tf.control_dependencies(_ops_of(applied)):
                 updates = [b - t.read_value() for b, t in zip(before, targets)]
             averaged = [self._exchange(u, key) for u, key in zip(updates, keys)]
             assigns = [t.assign(b - a) for t, b, a in zip(targets, before, averaged)]
@@ -114,7 +119,7 @@ class UpdateStep:
             dense = [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices too
             nan = [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in dense]
             applied = local_apply(nan, variables)  # it lowers its loss scale and leaves the variables as they are
-            with tf.control_dependencies([a for a in tf.nest.flatten(applied) if a is not None]):
+            with tf.control_dependencies(_ops_of(applied)):
                 return tf.constant(False)
 
         if tf.executing_eagerly():  # no cond to build: the ranks agree on `finite`, so they branch alike
