@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from .config import TopKConfig
 from .costmodel import Link, collectives_per_step, comm_time, route_tensors
 from .exchange import COLLECTIVES, DENSE, SPARSE_ALLREDUCE
+from .policy import RouteSchedule, TensorPlan, plan_tensor, route_schedule
 
 __all__ = [
     "DENSITIES",
@@ -53,17 +54,16 @@ __all__ = [
     "predict_steps",
     "choose_density",
     "AutoDensity",
-    "AUTO_TENSORFLOW_REFUSAL",
+    "CHOICES",
+    "choice_index",
+    "config_at",
+    "auto_schedule",
 ]
-
-#: ratio="auto" changes k, hence the payload shapes a tf.function traced; TensorFlow would retrace at each change.
-AUTO_TENSORFLOW_REFUSAL = (
-    "horovod-topk: ratio='auto' is available in PyTorch only: in TensorFlow a payload's size is fixed when the step "
-    "is traced. Pass a fixed ratio (python -m horovod_topk.advise predicts one for your link)."
-)
 
 #: The densities auto chooses among, densest first (dense itself is the candidate None).
 DENSITIES = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+#: Every choice, dense first: the position a traced graph (TensorFlow) looks up to take the density in force.
+CHOICES: Tuple[Optional[float], ...] = (None,) + DENSITIES
 #: A change needs a 25% margin: the step predicted this much faster, or the budget missed (or met) by this much.
 HYSTERESIS = 0.25
 #: A denser density (dense included) predicted this much faster than the current one is taken at once: sending
@@ -76,6 +76,32 @@ WINDOW_STEPS = 10
 SETTLE_STEPS = 2
 #: Columns of one rank's measurement row (reduced with max over ranks).
 COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry", "lone_s")
+
+
+def choice_index(ratio: Optional[float]) -> int:
+    """The position of ``ratio`` (None: dense) in CHOICES."""
+    if ratio not in CHOICES:
+        raise ValueError(f"horovod-topk: {ratio!r} is not one of auto's densities {DENSITIES} (or None: dense)")
+    return CHOICES.index(ratio)
+
+
+def config_at(config: TopKConfig, ratio: float) -> TopKConfig:
+    """The fixed-ratio configuration a ratio="auto" compressor plans with while ``ratio`` is in force."""
+    return replace(config, ratio=ratio, budget=None, auto_every=None)
+
+
+def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int,
+                  value_itemsize: int, grad_itemsize: int, sparse_available: bool = False
+                  ) -> Optional[RouteSchedule]:
+    """A tensor's route and k under each of CHOICES (position i: CHOICES[i]), for a traced graph that holds one
+    branch per route and looks up the choice in force at each step; None when every choice sends it dense (too
+    small, not floating, or dense_fallback at every density). Each position is plan_tensor's plan at that density:
+    the plan PyTorch executes while it is in force."""
+    plans = [TensorPlan(numel, None, "ratio='auto': dense", DENSE)] + [
+        plan_tensor(name, numel, is_floating, config_at(config, ratio), world_size=world_size,
+                    value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
+        for ratio in DENSITIES]
+    return route_schedule(plans)
 
 
 @dataclass(frozen=True)
@@ -363,7 +389,7 @@ class AutoDensity:
         """The configuration the compressor plans with now; None while dense."""
         if self.ratio is None:
             return None
-        return replace(self.config, ratio=self.ratio, budget=None, auto_every=None)
+        return config_at(self.config, self.ratio)
 
     def summary_line(self) -> str:
         """The one log line of a decision that changed the density."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from .config import MAX_COMPRESSED_NUMEL, TopKConfig
 from .exchange import ALLGATHER, DENSE, choose_exchange
@@ -19,7 +19,8 @@ __all__ = [
     "plan_tensor",
     "warmup_ratio",
     "tensor_payload_layout",
-    "WarmupSchedule",
+    "RouteSchedule",
+    "route_schedule",
     "warmup_schedule",
     "allgather_nbytes",
     "ring_allreduce_nbytes",
@@ -81,14 +82,15 @@ def tensor_payload_layout(config: TopKConfig, k: int, numel: int, value_itemsize
 
 
 @dataclass(frozen=True)
-class WarmupSchedule:
-    """A tensor's sparsity warm-up for a traced graph, where every route is a branch built in advance.
+class RouteSchedule:
+    """A tensor's routes for a traced graph, where every route is a branch built in advance and the graph looks up
+    which one a step takes: by step during the sparsity warm-up (warmup_schedule), by the density in force with
+    ratio="auto" (core.autodensity.auto_schedule).
 
-    Step t takes the route and k of plan_tensor at t: ``routes[phase[t]]`` ("dense", "allgather" or
-    "sparse_allreduce"; the routes in the order the steps first take them) with ``count[t]`` entries (0 when
-    dense). A graph holds one branch per route, not one per k: a branch looks up its step's k and sizes
-    (horovod_topk.tensorflow.sizes), so it sends exactly the entries and bytes PyTorch sends at that step.
-    ``phase`` and ``count`` are for steps t = 0 .. warmup_steps; later steps use the last ones.
+    Position i takes ``routes[phase[i]]`` ("dense", "allgather" or "sparse_allreduce"; the routes in the order
+    the positions first take them) with ``count[i]`` entries (0 when dense). A graph holds one branch per route,
+    not one per k: a branch looks up its position's k and sizes (horovod_topk.tensorflow.sizes), so it sends
+    exactly the entries and bytes PyTorch sends there.
     """
 
     routes: Tuple[str, ...]
@@ -96,24 +98,32 @@ class WarmupSchedule:
     count: Tuple[int, ...]
 
 
+def route_schedule(plans: Sequence[TensorPlan]) -> Optional[RouteSchedule]:
+    """The RouteSchedule of one plan per position, or None when every position goes dense."""
+    if all(plan.k is None for plan in plans):
+        return None
+    routes: list = []
+    for plan in plans:
+        if plan.exchange not in routes:
+            routes.append(plan.exchange)
+    return RouteSchedule(tuple(routes), tuple(routes.index(plan.exchange) for plan in plans),
+                         tuple(plan.k or 0 for plan in plans))
+
+
 def warmup_schedule(
     name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int, value_itemsize: int,
     grad_itemsize: int, sparse_available: bool = False,
-) -> Optional[WarmupSchedule]:
-    """The WarmupSchedule of a tensor, or None when it goes dense on every step (k never changes its route).
-    ``sparse_available`` as for plan_tensor: each step's route weighs the sparse allreduce too."""
+) -> Optional[RouteSchedule]:
+    """The RouteSchedule of a tensor's steps t = 0 .. warmup_steps (later steps use the last position), or None
+    when it goes dense after the warm-up. ``sparse_available`` as for plan_tensor: each step's route weighs the
+    sparse allreduce too."""
     plans = [plan_tensor(name, numel, is_floating, config, world_size=world_size, step=t,
                          value_itemsize=value_itemsize, grad_itemsize=grad_itemsize,
                          sparse_available=sparse_available)
              for t in range(config.warmup_steps + 1)]
     if plans[-1].k is None:
         return None
-    routes: list = []
-    for plan in plans:
-        if plan.exchange not in routes:
-            routes.append(plan.exchange)
-    return WarmupSchedule(tuple(routes), tuple(routes.index(plan.exchange) for plan in plans),
-                          tuple(plan.k or 0 for plan in plans))
+    return route_schedule(plans)
 
 
 def allgather_nbytes(world_size: int, k: int, entry_nbytes: int) -> int:

@@ -10,14 +10,14 @@ bytes sent, bytes dense, non-finite steps, guarded steps) that ``stats()`` reads
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
-from ..core.autodensity import AUTO_TENSORFLOW_REFUSAL
-from ..core.policy import spike_guard_scale, warmup_schedule
+from ..core.autodensity import auto_schedule
+from ..core.policy import RouteSchedule, spike_guard_scale, warmup_schedule
 
 from ..core import (
     PendingReduction,
@@ -33,6 +33,7 @@ from ..core import (
 )
 from ..core.exchange import DENSE, SPARSE_ALLREDUCE
 from . import ops, shared, sizes, sparse_allreduce, steps
+from .auto_density import AutoTick
 from .state import state_variable
 from .telemetry import GraphTelemetry, adapt_writer
 
@@ -75,8 +76,9 @@ class TopKEF(TopKEFBase[Any]):
         if "summary_writer" in kwargs:
             kwargs["summary_writer"] = adapt_writer(kwargs["summary_writer"])
         super().__init__(*args, **kwargs)
-        if self.config.auto:
-            raise ValueError(AUTO_TENSORFLOW_REFUSAL)
+        #: ratio="auto": the per-step host call that decides the density in force, and the graph's stamps it
+        #: measures from (horovod_topk.tensorflow.auto_density).
+        self._auto_tick: Optional[AutoTick] = AutoTick(self) if self.config.auto else None
         #: The graph side of log_every (None when off: nothing is added to the graph).
         self._telemetry: Optional[GraphTelemetry] = GraphTelemetry(self) if self.config.log_every else None
         #: Each tensor's reduction op ("average"/"sum") as traced: what an elastic reset rescales by (elastic.py).
@@ -151,19 +153,26 @@ class TopKEF(TopKEFBase[Any]):
             return None
         numel = int(np.prod(pending.shape, dtype=np.int64))
         wire_dtype = _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype) if tensor.dtype.is_floating else tensor.dtype
-        # the route is traced once: with a warm-up, the plan after it (its steps are branches, see warmup_schedule)
-        plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
-                           step=self.config.warmup_steps, value_itemsize=wire_dtype.size,
-                           grad_itemsize=tensor.dtype.size, sparse_available=True)
         record = self.registry.record(name, pending.shape)
         record.world_size, self._reductions[name] = world_size, op_name  # traced for this world (elastic.py)
         counters = self._counters(name, record)
+        schedule: Optional[RouteSchedule] = None
+        if self._auto_tick is not None:  # every density's route, the one in force looked up per step
+            schedule = auto_schedule(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
+                                     value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
+                                     sparse_available=True)
+            compressed, k, exchange = schedule is not None, None, None
+        else:  # the route is traced once: with a warm-up, the plan after it (its steps are branches)
+            plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
+                               step=self.config.warmup_steps, value_itemsize=wire_dtype.size,
+                               grad_itemsize=tensor.dtype.size, sparse_available=True)
+            compressed, k, exchange = plan.compressed, plan.k, plan.exchange
         if not record.verified:
-            self._verify(name, record, counters, tensor.dtype, plan.k, process_set, plan.exchange)
+            self._verify(name, record, counters, tensor.dtype, k, process_set, exchange)
         # log_every: this tensor's counter updates below run after the telemetry gate (snapshot, report)
         gate = [self._telemetry.gate(name, counters, process_set.rank)] if self._telemetry is not None else []
         dense_nbytes = numel * tensor.dtype.size
-        if not plan.compressed:
+        if not compressed:
             pending.route = "dense"
             with tf.control_dependencies(gate):
                 counters.assign_add(tf.constant([1, dense_nbytes, dense_nbytes, 0, 0], tf.int64))
@@ -173,8 +182,6 @@ class TopKEF(TopKEFBase[Any]):
                 tensor = tf.identity(tensor)
 
         pending.route = "topk"
-        assert plan.k is not None
-        record.exchange = plan.exchange  # (traced once: the exchange of the traced step function)
         state_dtype = ops.residual_dtype(tensor.dtype)
         residual = self._buffer(self._residual_vars, "residual", name, record, numel, state_dtype)
         momentum = self._buffer(self._momentum_vars, "momentum", name, record, numel, state_dtype) \
@@ -184,40 +191,61 @@ class TopKEF(TopKEFBase[Any]):
             tensor, guarded = self._guard_spike(name, record, tensor, counters[0])
         step = _Step(tensor, tuple(pending.shape), name, numel, wire_dtype, residual, momentum, counters, guarded,
                      dense_nbytes, scale, process_set)
+        if schedule is not None:
+            assert self._auto_tick is not None
+            return self._auto_reduce(step, schedule, self._auto_tick, op_name, prescale_factor, postscale_factor)
+        assert k is not None and exchange is not None
+        record.exchange = exchange  # (traced once: the exchange of the traced step function)
         if not self.config.warmup_steps:
-            return self._topk_reduce(step, plan.exchange, plan.k)
-        return self._warmup_reduce(step, op_name, prescale_factor, postscale_factor)
-
-    def _warmup_reduce(self, step: "_Step", op_name: str, prescale_factor: float,
-                       postscale_factor: float) -> tf.Tensor:
-        """The sparsity warm-up in one traced graph: one ``tf.switch_case`` branch per route the schedule takes
-        (core.policy.warmup_schedule: dense, allgather, sparse allreduce; two on 2 workers), each built once
-        for every step's k, whose sizes it looks up by step (horovod_topk.tensorflow.sizes). Each step therefore
-        selects and sends exactly the k and exchange of core's plan for that step, as PyTorch does, and the
-        graph holds one copy of the compressed path per exchange instead of one per payload size. The steps
-        after the warm-up run the same branch at the final k: a branch of static shapes for them would be a second
-        copy of the compressed path in every tensor's graph, the trace cost this design removes (README, "First-step
-        (tracing) cost", has the per-step times of both)."""
-        world_size = step.process_set.size()
-        schedule = warmup_schedule(step.name, step.numel, True, self.config, world_size=world_size,
-                                   value_itemsize=step.wire_dtype.size, grad_itemsize=step.tensor.dtype.size,
+            return self._topk_reduce(step, exchange, k)
+        schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
+                                   value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
                                    sparse_available=True)
         assert schedule is not None  # this step is compressed, hence the last one is
-        t = tf.minimum(step.counters[0], len(schedule.phase) - 1)
+        position = tf.minimum(counters[0], len(schedule.phase) - 1)
+        return self._scheduled_reduce(step, schedule, position, op_name, prescale_factor, postscale_factor)
+
+    def _auto_reduce(self, step: "_Step", schedule: RouteSchedule, tick: AutoTick, op_name: str,
+                     prescale_factor: float, postscale_factor: float) -> tf.Tensor:
+        """ratio="auto": the route and k of the density in force, which this step's tick returns (a branch per
+        route, sizes looked up by the density's position), stamped for the next decision's measurement."""
+        tick.follow(step.name, schedule)
+        position = tick.choice(step.name, step.process_set)
+        tensor, ready = tick.ready(step.tensor, position)
+        step = replace(step, tensor=tensor)
+        reduced = self._scheduled_reduce(step, schedule, position, op_name, prescale_factor, postscale_factor,
+                                         auto_started=ready)
+        return tick.done(reduced)
+
+    def _scheduled_reduce(self, step: "_Step", schedule: RouteSchedule, position: tf.Tensor, op_name: str,
+                          prescale_factor: float, postscale_factor: float,
+                          auto_started: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """A route and k that change from step to step inside one traced graph: one ``tf.switch_case`` branch per
+        route of ``schedule`` (core.policy.RouteSchedule: dense, allgather, sparse allreduce), each built once for
+        every k, whose sizes it looks up by ``position`` (horovod_topk.tensorflow.sizes). Used by the sparsity
+        warm-up (position: the step, up to the schedule's last) and by ratio="auto" (position: the density in
+        force). Each step therefore selects and sends exactly the k and exchange of core's plan for it, as
+        PyTorch does, and the graph holds one copy of the compressed path per exchange instead of one per payload
+        size. After a warm-up the same branch runs at the final k: a branch of static shapes for those steps would
+        be a second copy of the compressed path in every tensor's graph, the trace cost this design removes
+        (README, "First-step (tracing) cost", has the per-step times of both). With ``auto_started``
+        (ratio="auto"'s ready stamp) a compressed branch adds its selection time to the step's measurement."""
         branches = [
             functools.partial(self._dense_reduce, step, op_name, prescale_factor, postscale_factor) if route == DENSE
-            else functools.partial(self._topk_reduce, step, route, schedule.count, t)
+            else functools.partial(self._topk_reduce, step, route, schedule.count, position, auto_started)
             for route in schedule.routes
         ]
         if len(branches) == 1:
             return branches[0]()
-        return tf.switch_case(tf.gather(tf.constant(schedule.phase, tf.int32), t), branches)
+        return tf.switch_case(tf.gather(tf.constant(schedule.phase, tf.int32), position), branches)
 
     def _topk_reduce(self, step: "_Step", exchange: str, k: Union[int, Sequence[int]],
-                     t: Optional[tf.Tensor] = None) -> tf.Tensor:
+                     t: Optional[tf.Tensor] = None, auto_started: Optional[tf.Tensor] = None) -> tf.Tensor:
         """The Top-K entries of every rank, exchanged by ``exchange`` ("allgather" or "sparse_allreduce"), summed
         as a dense tensor of the gradient's shape; updates residual, momentum buffer and counters. ``k`` is
-        the number of entries per step, or with ``t`` (the step) the number at each step of a warm-up.
+        the number of entries per step, or with ``t`` (a position) the number at each position of a
+        RouteSchedule; with ``auto_started`` (the gradient's ready stamp), the selection's time goes to
+        ratio="auto"'s measurement.
 
         Under the allgather this adds two calls of bodies shared by every tensor with the same options, whatever
         its size, around the tensor's allgather (horovod_topk.tensorflow.steps); its state variables' handles and
@@ -240,6 +268,8 @@ class TopKEF(TopKEFBase[Any]):
             indices, values, new_residual, new_momentum, finite = shared.call(
                 ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype,
                 size.sampling, step.momentum, self.config.momentum)
+            if auto_started is not None and self._auto_tick is not None:
+                values = self._auto_tick.selected(values, auto_started)
             reduced = self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
             return tf.reshape(reduced, step.shape)
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
@@ -251,6 +281,8 @@ class TopKEF(TopKEFBase[Any]):
             momentum=self.config.momentum)
         if started is not None:
             payload = self._telemetry.timed(step.name, started, payload)
+        if auto_started is not None and self._auto_tick is not None:
+            payload = self._auto_tick.selected(payload, auto_started)
         gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
         reduced = shared.call_any_shape(
@@ -406,8 +438,11 @@ class TopKEF(TopKEFBase[Any]):
                     setattr(record, field, variables[name])
 
     def _forget_agreements(self) -> None:
-        """Forget update mode's agreement checks too: after a load or a reset every rank checks again."""
+        """Forget update mode's agreement checks and ratio="auto"'s too: after a load or a reset every rank checks
+        again."""
         self.checked_gradients.clear()
+        if self._auto_tick is not None:
+            self._auto_tick.forget()
 
     def _variables_of(self, name: str) -> list:
         kinds = (self._counter_vars, self._residual_vars, self._momentum_vars, self._level_vars)

@@ -12,12 +12,11 @@ import torch
 from torch import nn
 
 from horovod_topk.core import RankMismatch
-from horovod_topk.core.autodensity import SETTLE_STEPS, WINDOW_STEPS, Measurement
 from horovod_topk.torch import TopKEF, auto_density
 
-from .torch_harness import batch, differs
+from tests.auto_links import FIRST_DECISION, much_slower_link, script, slow_link, sparse_slower_than_dense
 
-FIRST_DECISION = SETTLE_STEPS + WINDOW_STEPS
+from .torch_harness import batch, differs
 
 
 class Model(nn.Module):
@@ -29,36 +28,6 @@ class Model(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-def slow_link(world_size: int) -> Measurement:
-    """A dense window over a 1 Mbit/s link: dense's step is 1 s, almost all of it communication."""
-    return Measurement(period_s=1.0, compute_s=0.01, compress_s=0.0, latency_s=1e-4, large_s=8.0,
-                       large_nbytes=1e6, select_s_per_entry=1e-9, world_size=world_size)
-
-
-def sparse_slower_than_dense(world_size: int) -> Measurement:
-    """A sparse window measured at 5 s per step (slower than the dense 1 s): the model missed something here."""
-    return Measurement(period_s=5.0, compute_s=0.01, compress_s=0.0, latency_s=1e-4, large_s=8.0,
-                       large_nbytes=1e6, select_s_per_entry=1e-9, world_size=world_size)
-
-
-def much_slower_link(world_size: int) -> Measurement:
-    """A dense window over a 20x slower link: 20 s per dense step, worth compressing again despite the 5 s."""
-    return Measurement(period_s=20.0, compute_s=0.01, compress_s=0.0, latency_s=1e-4, large_s=160.0,
-                       large_nbytes=1e6, select_s_per_entry=1e-9, world_size=world_size)
-
-
-def script(monkeypatch, plan):
-    """Replace the link measurement by ``plan(step)`` (the same on every rank); returns the steps decided at."""
-    decided = []
-
-    def measure(auto, tensors, process_set, device, selector):
-        decided.append(auto.step)
-        return plan(auto.step)(process_set.size())
-
-    monkeypatch.setattr(auto_density, "measure", measure)
-    return decided
 
 
 def run(compressor, steps, *, state=None, on_step=None, target_lr=0.1, optimizer="sgd"):
@@ -99,7 +68,7 @@ def test_measured_decisions_are_the_same_on_every_rank_and_parameters_stay_ident
 
 
 def test_parameters_are_bit_identical_on_every_rank_through_changes(monkeypatch):
-    script(monkeypatch, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
     params, _ = run(compressor, range(3 * FIRST_DECISION))
     flat = torch.cat([params[n].reshape(-1) for n in sorted(params)])
@@ -112,7 +81,7 @@ def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch)
     """Per tensor, over all ranks: sum of raw gradients == P * sum of averaged gradients + sum of residuals, across
     dense -> sparse -> dense (leftovers flushed into the dense step) -> sparse."""
     measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
-    decided = script(monkeypatch, lambda step: measured.get(step, much_slower_link))
+    decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
     raw, sent, ratios = {}, {}, []
     torch.manual_seed(0)
@@ -143,7 +112,7 @@ def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch)
 
 
 def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
-    script(monkeypatch, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
     save_at = FIRST_DECISION + 3
 
     def keep(step, model, opt, compressor, saved):
@@ -159,7 +128,7 @@ def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
 
 
 def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypatch):
-    script(monkeypatch, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=5)
     ratios = []
     params, _ = run(compressor, range(3 * FIRST_DECISION), optimizer="adam",

@@ -1,0 +1,227 @@
+"""ratio="auto" in TensorFlow: the density in force looked up by the traced step, chosen on the host.
+
+A traced graph has fixed ops, so a compressed tensor's graph holds one branch per route its densities take
+(core.autodensity.auto_schedule: dense, allgather, sparse allreduce) and looks up the sizes of the density in force
+(horovod_topk.tensorflow.sizes), as the sparsity warm-up does by step. The density in force is decided on the host:
+once per step, before any compressed collective of that step is launched, one ``tf.py_function`` (the *tick*)
+
+1. closes the last step's measurement: what the graph stamped into a small variable (when the last gradient was
+   ready, when the last reduction was done, the selections' time): wait = done - ready (what a PyTorch step waits
+   in ``synchronize()``), compress = the selections' sum;
+2. when a decision is due (core.autodensity), probes the link with Horovod's eager collectives and decides (the
+   sequence is core.linkprobe's, the same as PyTorch's), from a measurement gathered from every rank: every rank
+   takes the same decision at the same step;
+3. after a start, a load or a reset, checks that every rank holds the same density and step (one allgather), so
+   that ranks that disagree raise RankMismatch instead of exchanging payloads of different sizes;
+4. returns the position of the density in force in CHOICES, which every compressed tensor's branch waits for.
+
+A step is one run of a traced graph (the tick is built once per graph, by its first compressed tensor, outside the
+``tf.cond`` branches the reductions are built in: a step whose reductions are skipped by a condition still counts);
+in eager mode, one pass of the tensors in program order (the tick runs at the first tensor's reduction). What is not
+stamped: tensors that are dense whatever the density (under ``min_numel``, not floating), which go to Horovod's
+own allreduce.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ..core import RankMismatch, linkprobe
+from ..core.autodensity import choice_index
+from ..core.exchange import DENSE
+from ..core.policy import RouteSchedule, sample_size
+from . import ops
+
+__all__ = ["TensorFlowProbes", "measure", "AutoTick", "AGREEMENT_NAME"]
+
+#: The collective that checks, after a start, a load or a reset, that every rank holds the same density and step.
+AGREEMENT_NAME = "topk.auto.agree"
+#: Slots of the stamp variable: last gradient ready, selections' seconds, last reduction done.
+_READY, _COMPRESS, _DONE = 0, 1, 2
+
+
+@dataclass
+class TensorFlowProbes:
+    """core.linkprobe.LinkProbes over Horovod's TensorFlow collectives on ``process_set``, run eagerly."""
+
+    process_set: Any
+
+    def allreduce_seconds(self, numel: int, name: str, repeats: int) -> List[float]:
+        from horovod.tensorflow.mpi_ops import Sum, _allreduce
+
+        buf = tf.zeros([numel], tf.float32)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            _allreduce(buf, name=name, op=Sum, ignore_name_scope=True, process_set=self.process_set).numpy()
+            times.append(time.perf_counter() - started)
+        return times
+
+    def burst_seconds(self, count: int) -> float:
+        """One grouped allgather of ``count`` one-float tensors: eager TensorFlow has no asynchronous handles, and
+        a group is what Horovod submits together (and fuses, as it fuses a step's allgathers)."""
+        from horovod.tensorflow.mpi_ops import grouped_allgather
+
+        ones = [tf.zeros([1], tf.float32) for _ in range(count)]
+        started = time.perf_counter()
+        for out in grouped_allgather(ones, name=linkprobe.burst_name(0), ignore_name_scope=True,
+                                     process_set=self.process_set):
+            out.numpy()
+        return time.perf_counter() - started
+
+    def select_seconds_per_entry(self, numel: int) -> float:
+        """Best of 3 eager runs of the selection the compressed step runs (ops.error_feedback_step)."""
+        flat = tf.random.normal([numel])
+        residual = tf.zeros([numel])
+        k = max(1, -(-numel // 100))
+        sampling = ops.sample_geometry(numel, k, sample_size(k, numel))
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            out = ops.error_feedback_step(flat, residual, k, tf.float32, sampling)
+            out[1].numpy()
+            best = min(best, time.perf_counter() - started)
+        return best / numel
+
+    def gather_rows(self, row: Sequence[float]) -> List[List[float]]:
+        from horovod.tensorflow.mpi_ops import allgather
+
+        mine = tf.constant([list(row)], tf.float64)
+        return allgather(mine, name=linkprobe.MEASURE_NAME, ignore_name_scope=True,
+                         process_set=self.process_set).numpy().tolist()
+
+
+def measure(auto: Any, tensors: Sequence[Any], process_set: Any) -> Any:
+    """Probe the link, time a selection, and gather every rank's row: the Measurement every rank decides from."""
+    return linkprobe.measure(auto, tensors, TensorFlowProbes(process_set), process_set.size())
+
+
+def _step_graph(graph: Any) -> Any:
+    """The graph that runs once per step around ``graph``: out of every ``tf.cond`` branch (Horovod wraps each
+    reduction in one, on the world size), so that the tensors of a step share one tick; a while-loop body (several
+    steps per call) is kept."""
+    from tensorflow.python.ops.control_flow_v2_func_graphs import CondBranchFuncGraph
+
+    while isinstance(graph, CondBranchFuncGraph):
+        graph = graph.outer_graph
+    return graph
+
+
+class AutoTick:
+    """The per-step host call of one ratio="auto" compressor, and the graph stamps its measurement comes from."""
+
+    def __init__(self, compressor: Any) -> None:
+        #: The compressor whose ``auto`` (core.autodensity.AutoDensity) decides; held weakly (it holds this).
+        self._compressor = weakref.ref(compressor)
+        #: The tick of each traced graph: built once per graph, by its first compressed tensor.
+        self._ticks: "weakref.WeakKeyDictionary[Any, tf.Tensor]" = weakref.WeakKeyDictionary()
+        #: The process set the probes and the agreement run on (the compressed tensors').
+        self._process_set: Any = None
+        #: The first tensor name of a step in eager mode (its reduction runs the tick), and that tick's position.
+        self._eager_first: Optional[str] = None
+        self._eager_position: Optional[tf.Tensor] = None
+        #: Each compressed tensor's routes per density: what stats()["exchanges"] reports for the one in force.
+        self._schedules: Dict[str, RouteSchedule] = {}
+        #: Every rank checks it holds the same density and step at its next tick (after a start, load or reset).
+        self._agree = True
+        #: (last gradient ready, selections' seconds, last reduction done) of the step in progress.
+        with tf.init_scope():
+            self._stamps = tf.Variable(tf.zeros([3], tf.float64), trainable=False, name="topk_auto_stamps")
+
+    def forget(self) -> None:
+        """A load or a reset: the stamps of the step in progress are stale, and the ranks check again."""
+        self._agree = True
+        self._stamps.assign(tf.zeros([3], tf.float64))
+
+    # ---- graph side --------------------------------------------------------------------------------------------
+    def follow(self, name: str, schedule: RouteSchedule) -> None:
+        """Tensor ``name`` takes ``schedule``'s route of the density in force at each step."""
+        self._schedules[name] = schedule
+
+    def choice(self, name: str, process_set: Any) -> tf.Tensor:
+        """The position in CHOICES of the density in force at this step (an int32 scalar): this graph's tick."""
+        if self._process_set is None:
+            self._process_set = process_set
+        elif process_set.process_set_id != self._process_set.process_set_id:
+            raise ValueError("horovod-topk: ratio='auto' decides one density for one process set; this compressor "
+                             "already reduces tensors of another one (use one TopKEF per process set)")
+        if tf.executing_eagerly():
+            if self._eager_first is None:
+                self._eager_first = name
+            if name == self._eager_first or self._eager_position is None:
+                self._eager_position = self._call()
+            return self._eager_position
+        graph = _step_graph(tf.compat.v1.get_default_graph())
+        tick = self._ticks.get(graph)
+        if tick is None:
+            with graph.as_default():
+                tick = self._call()
+            self._ticks[graph] = tick
+        return tick
+
+    def _call(self) -> tf.Tensor:
+        position = tf.py_function(self._tick, [], tf.int32, name="topk_auto_tick")
+        position.set_shape([])
+        return position
+
+    def ready(self, tensor: tf.Tensor, position: tf.Tensor) -> "tuple[tf.Tensor, tf.Tensor]":
+        """``tensor`` once the time it became ready is stamped (the latest over the step's tensors), and that time.
+        The stamp waits for the step's tick (``position``), which reads and clears the last step's stamps."""
+        with tf.control_dependencies([tensor, position]):
+            now = tf.timestamp()
+        with tf.control_dependencies([self._stamps.scatter_max(tf.IndexedSlices(tf.reshape(now, [1]), [_READY]))]):
+            return tf.identity(tensor), now
+
+    def selected(self, payload: tf.Tensor, started: tf.Tensor) -> tf.Tensor:
+        """``payload`` once the time since ``started`` is added to the step's selection time."""
+        with tf.control_dependencies([payload]):
+            elapsed = tf.timestamp() - started
+        with tf.control_dependencies([self._stamps.scatter_add(tf.IndexedSlices(tf.reshape(elapsed, [1]),
+                                                                                [_COMPRESS]))]):
+            return tf.identity(payload)
+
+    def done(self, reduced: tf.Tensor) -> tf.Tensor:
+        """``reduced`` once the time it was done is stamped (the latest over the step's tensors)."""
+        with tf.control_dependencies([reduced]):
+            now = tf.timestamp()
+        with tf.control_dependencies([self._stamps.scatter_max(tf.IndexedSlices(tf.reshape(now, [1]), [_DONE]))]):
+            return tf.identity(reduced)
+
+    # ---- host side ---------------------------------------------------------------------------------------------
+    def _tick(self) -> np.int32:
+        compressor = self._compressor()
+        auto = compressor.auto
+        ready, compress, done = (float(v) for v in self._stamps.numpy())
+        self._stamps.assign(tf.zeros([3], tf.float64))
+        if ready > 0.0 and done > 0.0:
+            auto.waited(max(0.0, done - ready))
+            auto.compressed(compress)
+        if auto.begin(auto.step + 1, time.time()):
+            compressor._auto_decide(measure(auto, compressor._auto_tensors(), self._process_set),
+                                    self._process_set.rank())
+        position = choice_index(auto.ratio)
+        if self._agree:
+            self._check_agreement(position, auto.step)
+        for name, schedule in self._schedules.items():
+            route = schedule.routes[schedule.phase[position]]
+            record = compressor.registry.records.get(name)
+            if record is not None and route != DENSE:
+                record.exchange = route
+        return np.int32(position)
+
+    def _check_agreement(self, position: int, step: int) -> None:
+        from horovod.tensorflow.mpi_ops import allgather
+
+        mine = tf.constant([[position, step]], tf.int64)
+        rows = allgather(mine, name=AGREEMENT_NAME, ignore_name_scope=True,
+                         process_set=self._process_set).numpy().tolist()
+        self._agree = False
+        if any(row != rows[0] for row in rows):
+            raise RankMismatch(
+                "horovod-topk: ranks disagree about ratio='auto': (density position, step) per rank "
+                f"{[tuple(r) for r in rows]}. Load the same checkpoint on every rank, or none.")

@@ -1,0 +1,77 @@
+"""ratio="auto"'s pieces that both frameworks share: the routes a traced graph switches among (auto_schedule) and
+the probe sequence whose times become a Measurement (core.linkprobe)."""
+import pytest
+
+from horovod_topk.core import TopKConfig, linkprobe
+from horovod_topk.core.autodensity import CHOICES, DENSITIES, AutoDensity, auto_schedule, choice_index, config_at
+from horovod_topk.core.policy import plan_tensor
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 16])
+@pytest.mark.parametrize("numel", [2048, 1 << 20])
+def test_each_position_takes_the_plan_of_its_density(world_size, numel):
+    config = TopKConfig(ratio="auto")
+    schedule = auto_schedule("w", numel, True, config, world_size=world_size, value_itemsize=4, grad_itemsize=4,
+                             sparse_available=True)
+    assert schedule is not None and len(schedule.phase) == len(CHOICES)
+    assert schedule.routes[schedule.phase[0]] == "dense" and schedule.count[0] == 0
+    for position, ratio in enumerate(DENSITIES, start=1):
+        plan = plan_tensor("w", numel, True, config_at(config, ratio), world_size=world_size, value_itemsize=4,
+                           grad_itemsize=4, sparse_available=True)
+        assert schedule.routes[schedule.phase[position]] == plan.exchange
+        assert schedule.count[position] == (plan.k or 0)
+    assert len(set(schedule.routes)) == len(schedule.routes)  # one branch per route, not per density
+
+
+def test_a_tensor_dense_at_every_density_has_no_schedule():
+    config = TopKConfig(ratio="auto", min_numel=4096)
+    assert auto_schedule("b", 1000, True, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None
+    assert auto_schedule("i", 1 << 20, False, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None
+
+
+def test_choice_index_round_trips_and_names_a_stranger():
+    assert [choice_index(r) for r in CHOICES] == list(range(len(CHOICES)))
+    with pytest.raises(ValueError, match="0.02"):
+        choice_index(0.02)
+
+
+class ScriptedProbes:
+    """LinkProbes with fixed times: 1 ms a small allreduce, 9 ms the large one, 4 ms a burst of 16."""
+
+    def __init__(self):
+        self.calls = []
+
+    def allreduce_seconds(self, numel, name, repeats):
+        self.calls.append(("allreduce", numel, name, repeats))
+        return [0.001] * repeats if numel == 1 else [0.010, 0.009][:repeats]
+
+    def burst_seconds(self, count):
+        self.calls.append(("burst", count))
+        return 0.004
+
+    def select_seconds_per_entry(self, numel):
+        self.calls.append(("select", numel))
+        return 2e-9
+
+    def gather_rows(self, row):
+        self.calls.append(("rows",))
+        return [list(row), [v * 2 for v in row]]
+
+
+def test_the_probe_sequence_and_its_arithmetic():
+    auto = AutoDensity(TopKConfig(ratio="auto"))
+    probes = ScriptedProbes()
+    m = linkprobe.measure(auto, [("a", 100_000), ("b", 10_000_000)], probes, world_size=2)
+    large = linkprobe.probe_nbytes(4 * 10_100_000)
+    assert large == linkprobe.PROBE_MAX_BYTES
+    assert probes.calls == [("allreduce", 1, linkprobe.SMALL_PROBE_NAME, linkprobe.SMALL_REPEATS),
+                            ("allreduce", large // 4, linkprobe.large_probe_name(large), linkprobe.LARGE_REPEATS),
+                            ("burst", linkprobe.BURST), ("select", linkprobe.SELECT_PROBE_NUMEL), ("rows",)]
+    marginal = (0.004 - 0.001) / (linkprobe.BURST - 1)
+    # the slowest rank's row (the second, 2x) decides; the large probe counts the marginal latency, not the lone one
+    assert m.latency_s == pytest.approx(2 * marginal)
+    assert m.large_s == pytest.approx(2 * (0.009 - 0.001 + marginal))
+    assert m.lone_s == pytest.approx(0.002)
+    assert m.select_s_per_entry == pytest.approx(4e-9)
+    assert m.large_nbytes == pytest.approx(large)  # a ring allreduce at P = 2 sends 2 (P - 1) / P of it
+    assert linkprobe.probe_nbytes(10) == linkprobe.PROBE_MIN_BYTES

@@ -1,0 +1,178 @@
+"""ratio="auto" in TensorFlow on real Horovod workers: one traced graph serves every density, the same decision on
+every rank at the same step, error feedback exact through every change of density, identical variables, exact
+resume, and a named error instead of a hang when ranks disagree.
+
+Where a test needs a given sequence of decisions it scripts the link the decisions are made from (the same script
+on every rank, a function of the step); the collectives, the compressor, the traced graph and the planning are the
+real ones.
+"""
+import copy
+
+import horovod.tensorflow as hvd
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from horovod_topk.core import RankMismatch
+from horovod_topk.core.autodensity import auto_schedule
+from horovod_topk.core.policy import tensor_payload_layout
+from horovod_topk.tensorflow import TopKEF, auto_density
+
+from tests.auto_links import (FIRST_DECISION, fast_link, much_slower_link, script, slow_link,
+                               sparse_slower_than_dense)
+
+from .tf_harness import apply, batch, loss_fn, make_variables
+
+COMPRESSIBLE = ("w1", "w2")  # 2048 entries each, of two shapes; the others are under min_numel or IndexedSlices
+
+
+def run(compressor, steps, *, state=None, on_step=None):
+    """SGD through hvd.DistributedGradientTape in one traced step; ``on_step(step, names, local, reduced, v)``
+    sees this rank's gradients next to the reduced ones. Returns the final variables."""
+    v = make_variables()
+    names = sorted(v)
+    if state is not None:
+        for name in names:
+            v[name].assign(state["variables"][name])
+        compressor.load_state_dict(state["topk"])
+
+    @tf.function
+    def step(x, tokens, y):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = loss_fn(v, x, tokens, y)
+        local = tape.gradient(loss, [v[n] for n in names])
+        reduced = hvd.DistributedGradientTape(tape, compression=compressor).gradient(loss, [v[n] for n in names])
+        apply(v, names, reduced)
+        return local, reduced
+
+    for s in steps:
+        local, reduced = step(*batch(s))
+        if on_step is not None:
+            on_step(s, names, local, reduced, v)
+    return {n: v[n].numpy() for n in names}
+
+
+def test_measured_decisions_are_the_same_on_every_rank_and_variables_stay_identical():
+    """No script: the real probes, graph stamps and selection timing decide; every rank must hold the same
+    history, and the first window is dense."""
+    compressor = TopKEF(ratio="auto", auto_every=6)
+    history = []
+    params = run(compressor, range(FIRST_DECISION + 20),
+                 on_step=lambda *args: history.append(compressor.auto.ratio))
+    stats = compressor.stats()["auto"]
+    everyone = hvd.allgather_object((history, stats["decisions"], stats["last"].get("ratio"), params),
+                                    name="tf.auto.measured")
+    assert stats["decisions"] >= 2
+    assert all(e[:3] == everyone[0][:3] for e in everyone)
+    for name in params:
+        np.testing.assert_array_equal(everyone[0][3][name], everyone[1][3][name])
+    assert history[:FIRST_DECISION] == [None] * FIRST_DECISION
+    assert stats["last"]["compute_s"] > 0 and stats["last"]["measured_step_s"] > 0
+
+
+def test_each_density_sends_its_k_and_error_feedback_stays_exact_through_every_change(monkeypatch):
+    """Per step and compressed tensor: exactly the k and payload bytes of core's plan at the density in force
+    (dense while dense), and over the ranks sum of new residuals + P * reduced == sum of old residuals +
+    gradients, across dense -> sparse -> dense (leftovers flushed into the dense step) -> sparse; the variables
+    stay identical on every rank."""
+    measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
+    compressor = TopKEF(ratio="auto", auto_every=FIRST_DECISION)
+    previous, ratios = {}, []
+
+    def check(step, names, local, reduced, v):
+        ratio = compressor.auto.ratio
+        ratios.append(ratio)
+        compressor.stats()  # reads the counter variables back into the records
+        records = {tuple(r.shape): (key, r) for key, r in compressor.registry.records.items()}
+        for name, g, out in zip(names, local, reduced):
+            if name not in COMPRESSIBLE:
+                continue
+            key, record = records[tuple(g.shape)]
+            numel = int(np.prod(g.shape))
+            schedule = auto_schedule(key, numel, True, compressor.config, world_size=hvd.size(), value_itemsize=4,
+                                     grad_itemsize=4, sparse_available=True)
+            position = [None, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001].index(ratio)
+            k = schedule.count[position] if schedule.routes[schedule.phase[position]] != "dense" else None
+            r0, sent_before = previous.get(name, (np.zeros(numel, np.float32), 0))
+            r1, sent_bytes = record.residual.numpy().copy(), record.bytes_sent
+            sent = r0 + g.numpy().reshape(-1) - r1
+            if k is None:
+                np.testing.assert_array_equal(r1, 0)
+                assert sent_bytes - sent_before == numel * 4, (name, step)
+            else:
+                assert np.count_nonzero(np.abs(sent) > 1e-7) == k, (name, step, ratio)
+                assert sent_bytes - sent_before == tensor_payload_layout(compressor.config, k, numel, 4).nbytes
+            total = hvd.allreduce(tf.constant(np.stack([r0 + g.numpy().reshape(-1), r1])), op=hvd.Sum,
+                                  name=f"tf.auto.ef.{name}.{step}").numpy()
+            np.testing.assert_allclose(total[1] + hvd.size() * out.numpy().reshape(-1), total[0], rtol=0, atol=1e-5)
+            previous[name] = (r1, sent_bytes)
+
+    params = run(compressor, range(4 * FIRST_DECISION), on_step=check)
+    changes = [(i, r) for i, r in enumerate(ratios) if i and r != ratios[i - 1]]
+    assert ratios[0] is None and len(changes) >= 3, (changes, decided)
+    assert any(r is None for _, r in changes[1:]), changes  # went back to dense at least once
+    assert compressor.stats()["exchanges"]
+    gathered = hvd.allgather_object(params, name="tf.auto.ef.params")
+    for name in params:
+        np.testing.assert_array_equal(gathered[0][name], gathered[1][name])
+
+
+def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
+    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    save_at = FIRST_DECISION + 3
+    saved = {}
+
+    def keep(step, names, local, reduced, v):
+        if step == save_at:
+            saved.update(copy.deepcopy({"variables": {n: v[n].numpy() for n in names},
+                                        "topk": compressor.state_dict()}))
+
+    compressor = TopKEF(ratio="auto", auto_every=5)
+    straight = run(compressor, range(3 * FIRST_DECISION), on_step=keep)
+    assert saved["topk"]["auto"]["ratio"] is not None  # saved while sparse
+    resumed_compressor = TopKEF(ratio="auto", auto_every=5)
+    resumed = run(resumed_compressor, range(save_at + 1, 3 * FIRST_DECISION), state=saved)
+    for name in straight:
+        np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)
+    assert resumed_compressor.auto.ratio == compressor.auto.ratio
+
+
+def test_ranks_that_loaded_different_densities_raise_instead_of_exchanging(monkeypatch):
+    """Two checkpoints of the same step, one saved while dense and one while sparse (decided on other links),
+    loaded one per rank: every tensor's trace-time check agrees (same step, same configuration), so the tick's own
+    agreement check must name the density."""
+    link = {"now": slow_link}
+    script(monkeypatch, auto_density, lambda step: link["now"])
+    states = []
+    for measured in (slow_link, fast_link):
+        link["now"] = measured
+        donor = TopKEF(ratio="auto", auto_every=5)
+        run(donor, range(FIRST_DECISION + 1))
+        states.append(donor.state_dict())
+    assert states[0]["auto"]["ratio"] is not None and states[1]["auto"]["ratio"] is None
+    compressor = TopKEF(ratio="auto", auto_every=5)
+    compressor.load_state_dict(states[hvd.rank() % 2])
+    with pytest.raises(Exception, match="ranks disagree about ratio='auto'") as raised:
+        run(compressor, range(FIRST_DECISION + 1, FIRST_DECISION + 2))
+    assert isinstance(raised.value, (RankMismatch, tf.errors.OpError))
+    hvd.allreduce(tf.zeros([1]), name="tf.auto.disagree.done")
+
+
+def test_a_checkpoint_loaded_on_one_rank_only_is_named_instead_of_hanging(monkeypatch):
+    script(monkeypatch, auto_density, lambda step: slow_link)
+    donor = TopKEF(ratio="auto", auto_every=5)
+    run(donor, range(FIRST_DECISION + 1))
+    compressor = TopKEF(ratio="auto", auto_every=5)
+    if hvd.rank() == 0:
+        compressor.load_state_dict(donor.state_dict())
+    with pytest.raises(RankMismatch, match="ranks disagree"):
+        run(compressor, range(1))
+    hvd.allreduce(tf.zeros([1]), name="tf.auto.one.rank.done")
+
+
+def test_a_different_budget_on_one_rank_is_named_instead_of_hanging():
+    compressor = TopKEF(ratio="auto", budget=0.1 if hvd.rank() == 0 else 0.2)
+    with pytest.raises(RankMismatch, match="budget"):
+        run(compressor, range(1))
+    hvd.allreduce(tf.zeros([1]), name="tf.auto.budget.done")
