@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 from sklearn.datasets import load_digits
@@ -21,13 +21,37 @@ def load_split(seed: int, rank: int, size: int) -> Tuple[np.ndarray, np.ndarray,
     return x_train[rank::size], y_train[rank::size].astype(np.int64), x_test, y_test.astype(np.int64)
 
 
+def ratio_arg(text: str) -> Union[float, str]:
+    """A ratio in (0, 1], or "auto"."""
+    return text if text == "auto" else float(text)
+
+
+def method_label(args: argparse.Namespace) -> str:
+    """What a run is called in its lines and summary."""
+    if args.dense:
+        return "dense allreduce"
+    return f"TopKEF(ratio={args.ratio!r})" if args.ratio == "auto" else f"TopKEF(ratio={args.ratio:g})"
+
+
+def summary_ratio(args: argparse.Namespace, compressor: Any) -> Union[float, str, None]:
+    """The ratio a summary records: None for dense; with "auto", "auto (<density in force at the end>)", which
+    the demo's advisor part leaves out (its prediction is for one fixed ratio)."""
+    if args.dense:
+        return None
+    if args.ratio == "auto":
+        chosen = compressor.auto.ratio
+        return f"auto ({'dense' if chosen is None else f'{chosen:g}'})"
+    return args.ratio
+
+
 def parse_args(description: str) -> argparse.Namespace:
     """The command line both examples share."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--ratio", type=float, default=0.01, help="TopKEF ratio")
+    parser.add_argument("--ratio", type=ratio_arg, default=0.01,
+                        help="TopKEF ratio, or 'auto': chosen from the job's own measurements")
     parser.add_argument("--dense", action="store_true", help="plain Horovod allreduce instead of TopKEF")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", metavar="PATH", help="rank 0 writes the run's numbers there as JSON "
@@ -50,7 +74,7 @@ def step_seconds(history: List[Dict[str, float]]) -> Optional[float]:
 
 
 def write_summary(path: Optional[str], framework: str, method: str, history: List[Dict[str, float]],
-                  bytes_sent: float, bytes_dense: float, wall_s: float, *, ratio: Optional[float] = None,
+                  bytes_sent: float, bytes_dense: float, wall_s: float, *, ratio: Union[float, str, None] = None,
                   tensors: Optional[List[int]] = None) -> None:
     """The numbers scripts/demo_report.py compares (rank 0 only). ``ratio``: TopKEF's (None for dense);
     ``tensors``: each trainable tensor's number of elements (the advisor's model of this network)."""

@@ -17,7 +17,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import horovod.tensorflow as hvd_tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from digits_data import load_split, parse_args, write_summary  # noqa: E402
+from digits_data import load_split, method_label, parse_args, summary_ratio, write_summary  # noqa: E402
 
 from horovod_topk.tensorflow import TopKEF  # noqa: E402
 
@@ -77,7 +77,7 @@ def main() -> None:
     )
     model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if hvd.rank() == 0:
-        method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
+        method = method_label(args)
         print(f"digits CNN (Keras): {model.count_params()} parameters, {hvd.size()} workers, {method}, "
               f"{len(x_train)} training images per worker, {len(x_test)} test images", flush=True)
     # the same number of steps on every worker, or one of them would wait for the other's gradients forever
@@ -93,9 +93,9 @@ def main() -> None:
         print(f"done in {wall:.1f} s; final test accuracy {report.accuracy:.4f}", flush=True)
         dense_bytes = 4 * model.count_params() * steps * args.epochs  # float32 gradients, every step
         sent = dense_bytes if compressor is None else compressor.stats()["bytes_sent"]
-        method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
+        method = method_label(args)
         write_summary(args.summary, "Keras", method, report.history, sent, dense_bytes, wall,
-                      ratio=None if args.dense else args.ratio,
+                      ratio=summary_ratio(args, compressor),
                       tensors=[math.prod(int(d) for d in w.shape) for w in model.trainable_weights])
 
 

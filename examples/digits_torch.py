@@ -13,7 +13,7 @@ import time
 
 import horovod.torch as hvd
 import torch
-from digits_data import load_split, parse_args, write_summary
+from digits_data import load_split, method_label, parse_args, summary_ratio, write_summary
 from digits_model import DigitsCNN
 from torch import nn
 
@@ -41,7 +41,7 @@ def main() -> None:
 
     n_params = sum(p.numel() for p in model.parameters())
     if hvd.rank() == 0:
-        method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
+        method = method_label(args)
         print(f"digits CNN: {n_params} parameters, {hvd.size()} workers, {method}, "
               f"{len(x_train)} training images per worker, {len(x_test)} test images", flush=True)
 
@@ -82,9 +82,9 @@ def main() -> None:
     if hvd.rank() == 0:
         print(f"done in {wall:.1f} s; final test accuracy {accuracy:.4f}", flush=True)
         sent = dense_bytes if args.dense else compression.stats()["bytes_sent"]
-        method = "dense allreduce" if args.dense else f"TopKEF(ratio={args.ratio:g})"
+        method = method_label(args)
         write_summary(args.summary, "PyTorch", method, history, sent, dense_bytes, wall,
-                      ratio=None if args.dense else args.ratio, tensors=[p.numel() for p in model.parameters()])
+                      ratio=summary_ratio(args, compression), tensors=[p.numel() for p in model.parameters()])
 
 
 if __name__ == "__main__":

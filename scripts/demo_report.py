@@ -65,8 +65,8 @@ def _pairs(runs: List[Dict[str, Any]]) -> List[Tuple[Dict[str, Any], Dict[str, A
     pairs = []
     for framework in sorted({r["framework"] for r in runs}, reverse=True):
         dense = [r for r in runs if r["framework"] == framework and r.get("ratio") is None and r.get("step_s")]
-        topk = [r for r in runs if r["framework"] == framework and r.get("ratio") and r.get("step_s")
-                and r.get("tensors")]
+        topk = [r for r in runs if r["framework"] == framework and isinstance(r.get("ratio"), (int, float))
+                and r.get("step_s") and r.get("tensors")]  # a fixed ratio: what the advisor predicts for
         if dense and topk:
             pairs.append((dense[0], topk[0]))
     return pairs

@@ -5,9 +5,10 @@ A traced graph has fixed ops, so a compressed tensor's graph holds one branch pe
 (horovod_topk.tensorflow.sizes), as the sparsity warm-up does by step. The density in force is decided on the host:
 once per step, before any compressed collective of that step is launched, one ``tf.py_function`` (the *tick*)
 
-1. closes the last step's measurement: what the graph stamped into a small variable (when the last gradient was
-   ready, when the last reduction was done, the selections' time): wait = done - ready (what a PyTorch step waits
-   in ``synchronize()``), compress = the selections' sum;
+1. closes the last step's measurement from what the graph stamped (per tensor, in a variable of its own: when
+   its gradient was ready, when its reduction was done): wait = the last done - the last ready (what a PyTorch
+   step waits in ``synchronize()``). The selection's time is not stamped (it would need a value out of every
+   route's branch); the decision takes it from the selection it times (core.linkprobe);
 2. when a decision is due (core.autodensity), probes the link with Horovod's eager collectives and decides (the
    sequence is core.linkprobe's, the same as PyTorch's), from a measurement gathered from every rank: every rank
    takes the same decision at the same step;
@@ -41,8 +42,20 @@ __all__ = ["TensorFlowProbes", "measure", "AutoTick", "AGREEMENT_NAME"]
 
 #: The collective that checks, after a start, a load or a reset, that every rank holds the same density and step.
 AGREEMENT_NAME = "topk.auto.agree"
-#: Slots of the stamp variable: last gradient ready, selections' seconds, last reduction done.
-_READY, _COMPRESS, _DONE = 0, 1, 2
+#: Slots of a tensor's stamp variable: when its gradient was ready, when its reduction was done.
+_READY, _DONE = 0, 1
+
+
+@tf.function
+def _latest_stamps(stamps: List[tf.Variable]) -> tf.Tensor:
+    return tf.reduce_max(tf.stack([v.read_value() for v in stamps]), axis=0)
+
+
+def _latest(stamps: List[tf.Variable]) -> "tuple[float, float]":
+    """The latest ready and done stamps over the tensors: one traced read of every variable (eager reads cost
+    ~0.1 ms each)."""
+    ready, done = _latest_stamps(stamps).numpy().tolist()
+    return float(ready), float(done)
 
 
 @dataclass
@@ -129,14 +142,15 @@ class AutoTick:
         self._schedules: Dict[str, RouteSchedule] = {}
         #: Every rank checks it holds the same density and step at its next tick (after a start, load or reset).
         self._agree = True
-        #: (last gradient ready, selections' seconds, last reduction done) of the step in progress.
-        with tf.init_scope():
-            self._stamps = tf.Variable(tf.zeros([3], tf.float64), trainable=False, name="topk_auto_stamps")
+        #: Per compressed tensor: when its gradient was last ready and when its reduction was last done (seconds
+        #: since the epoch). The latest of each over the tensors is the last step's (stamps only grow).
+        self._stamps: Dict[str, tf.Variable] = {}
+        #: What the stamps held at the last tick: a step whose stamps did not move measured no wait.
+        self._last_stamps = (0.0, 0.0)
 
     def forget(self) -> None:
-        """A load or a reset: the stamps of the step in progress are stale, and the ranks check again."""
+        """A load or a reset: the ranks check again that they hold the same density and step."""
         self._agree = True
-        self._stamps.assign(tf.zeros([3], tf.float64))
 
     # ---- graph side --------------------------------------------------------------------------------------------
     def follow(self, name: str, schedule: RouteSchedule) -> None:
@@ -169,38 +183,38 @@ class AutoTick:
         position.set_shape([])
         return position
 
-    def ready(self, tensor: tf.Tensor, position: tf.Tensor) -> "tuple[tf.Tensor, tf.Tensor]":
-        """``tensor`` once the time it became ready is stamped (the latest over the step's tensors), and that time.
-        The stamp waits for the step's tick (``position``), which reads and clears the last step's stamps."""
+    def ready(self, name: str, tensor: tf.Tensor, position: tf.Tensor) -> None:
+        """Stamp when ``tensor`` (the gradient of ``name``) is ready for this step's reduction (after the tick)."""
         with tf.control_dependencies([tensor, position]):
             now = tf.timestamp()
-        with tf.control_dependencies([self._stamps.scatter_max(tf.IndexedSlices(tf.reshape(now, [1]), [_READY]))]):
-            return tf.identity(tensor), now
+        self._stamp(name).scatter_update(tf.IndexedSlices(tf.reshape(now, [1]), [_READY]))
 
-    def selected(self, payload: tf.Tensor, started: tf.Tensor) -> tf.Tensor:
-        """``payload`` once the time since ``started`` is added to the step's selection time."""
-        with tf.control_dependencies([payload]):
-            elapsed = tf.timestamp() - started
-        with tf.control_dependencies([self._stamps.scatter_add(tf.IndexedSlices(tf.reshape(elapsed, [1]),
-                                                                                [_COMPRESS]))]):
-            return tf.identity(payload)
-
-    def done(self, reduced: tf.Tensor) -> tf.Tensor:
-        """``reduced`` once the time it was done is stamped (the latest over the step's tensors)."""
+    def done(self, name: str, reduced: tf.Tensor) -> tf.Tensor:
+        """``reduced``, its completion time stamped."""
         with tf.control_dependencies([reduced]):
             now = tf.timestamp()
-        with tf.control_dependencies([self._stamps.scatter_max(tf.IndexedSlices(tf.reshape(now, [1]), [_DONE]))]):
+        with tf.control_dependencies([self._stamp(name).scatter_update(tf.IndexedSlices(tf.reshape(now, [1]),
+                                                                                         [_DONE]))]):
             return tf.identity(reduced)
+
+    def _stamp(self, name: str) -> tf.Variable:
+        """Tensor ``name``'s own (ready, done) variable: one per tensor, because ops on one shared variable would be
+        ordered by TensorFlow's automatic control dependencies, and with them every reduction after the previous."""
+        var = self._stamps.get(name)
+        if var is None:
+            with tf.init_scope():
+                var = tf.Variable(tf.zeros([2], tf.float64), trainable=False, name="topk_auto_stamps")
+            self._stamps[name] = var
+        return var
 
     # ---- host side ---------------------------------------------------------------------------------------------
     def _tick(self) -> np.int32:
         compressor = self._compressor()
         auto = compressor.auto
-        ready, compress, done = (float(v) for v in self._stamps.numpy())
-        self._stamps.assign(tf.zeros([3], tf.float64))
-        if ready > 0.0 and done > 0.0:
-            auto.waited(max(0.0, done - ready))
-            auto.compressed(compress)
+        ready, done = _latest(list(self._stamps.values())) if self._stamps else (0.0, 0.0)
+        if (ready, done) != self._last_stamps and done >= ready > 0.0:
+            auto.waited(done - ready)
+        self._last_stamps = (ready, done)
         if auto.begin(auto.step + 1, time.time()):
             compressor._auto_decide(measure(auto, compressor._auto_tensors(), self._process_set),
                                     self._process_set.rank())

@@ -10,7 +10,7 @@ bytes sent, bytes dense, non-finite steps, guarded steps) that ``stats()`` reads
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
@@ -211,15 +211,12 @@ class TopKEF(TopKEFBase[Any]):
         route, sizes looked up by the density's position), stamped for the next decision's measurement."""
         tick.follow(step.name, schedule)
         position = tick.choice(step.name, step.process_set)
-        tensor, ready = tick.ready(step.tensor, position)
-        step = replace(step, tensor=tensor)
-        reduced = self._scheduled_reduce(step, schedule, position, op_name, prescale_factor, postscale_factor,
-                                         auto_started=ready)
-        return tick.done(reduced)
+        tick.ready(step.name, step.tensor, position)
+        reduced = self._scheduled_reduce(step, schedule, position, op_name, prescale_factor, postscale_factor)
+        return tick.done(step.name, reduced)
 
     def _scheduled_reduce(self, step: "_Step", schedule: RouteSchedule, position: tf.Tensor, op_name: str,
-                          prescale_factor: float, postscale_factor: float,
-                          auto_started: Optional[tf.Tensor] = None) -> tf.Tensor:
+                          prescale_factor: float, postscale_factor: float) -> tf.Tensor:
         """A route and k that change from step to step inside one traced graph: one ``tf.switch_case`` branch per
         route of ``schedule`` (core.policy.RouteSchedule: dense, allgather, sparse allreduce), each built once for
         every k, whose sizes it looks up by ``position`` (horovod_topk.tensorflow.sizes). Used by the sparsity
@@ -228,11 +225,10 @@ class TopKEF(TopKEFBase[Any]):
         PyTorch does, and the graph holds one copy of the compressed path per exchange instead of one per payload
         size. After a warm-up the same branch runs at the final k: a branch of static shapes for those steps would
         be a second copy of the compressed path in every tensor's graph, the trace cost this design removes
-        (README, "First-step (tracing) cost", has the per-step times of both). With ``auto_started``
-        (ratio="auto"'s ready stamp) a compressed branch adds its selection time to the step's measurement."""
+        (README, "First-step (tracing) cost", has the per-step times of both)."""
         branches = [
             functools.partial(self._dense_reduce, step, op_name, prescale_factor, postscale_factor) if route == DENSE
-            else functools.partial(self._topk_reduce, step, route, schedule.count, position, auto_started)
+            else functools.partial(self._topk_reduce, step, route, schedule.count, position)
             for route in schedule.routes
         ]
         if len(branches) == 1:
@@ -240,12 +236,11 @@ class TopKEF(TopKEFBase[Any]):
         return tf.switch_case(tf.gather(tf.constant(schedule.phase, tf.int32), position), branches)
 
     def _topk_reduce(self, step: "_Step", exchange: str, k: Union[int, Sequence[int]],
-                     t: Optional[tf.Tensor] = None, auto_started: Optional[tf.Tensor] = None) -> tf.Tensor:
+                     t: Optional[tf.Tensor] = None) -> tf.Tensor:
         """The Top-K entries of every rank, exchanged by ``exchange`` ("allgather" or "sparse_allreduce"), summed
         as a dense tensor of the gradient's shape; updates residual, momentum buffer and counters. ``k`` is
         the number of entries per step, or with ``t`` (a position) the number at each position of a
-        RouteSchedule; with ``auto_started`` (the gradient's ready stamp), the selection's time goes to
-        ratio="auto"'s measurement.
+        RouteSchedule.
 
         Under the allgather this adds two calls of bodies shared by every tensor with the same options, whatever
         its size, around the tensor's allgather (horovod_topk.tensorflow.steps); its state variables' handles and
@@ -268,8 +263,6 @@ class TopKEF(TopKEFBase[Any]):
             indices, values, new_residual, new_momentum, finite = shared.call(
                 ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype,
                 size.sampling, step.momentum, self.config.momentum)
-            if auto_started is not None and self._auto_tick is not None:
-                values = self._auto_tick.selected(values, auto_started)
             reduced = self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
             return tf.reshape(reduced, step.shape)
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
@@ -281,8 +274,6 @@ class TopKEF(TopKEFBase[Any]):
             momentum=self.config.momentum)
         if started is not None:
             payload = self._telemetry.timed(step.name, started, payload)
-        if auto_started is not None and self._auto_tick is not None:
-            payload = self._auto_tick.selected(payload, auto_started)
         gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
         reduced = shared.call_any_shape(
