@@ -105,7 +105,7 @@ class BucketPlan:
 
 def plan_bucket(
     members: Sequence[Tuple[str, int]],
-    config: TopKConfig,
+    config: Optional[TopKConfig],
     *,
     is_floating: bool,
     world_size: int,
@@ -119,12 +119,17 @@ def plan_bucket(
     Each member is planned as on its own (core.policy.plan_tensor: min_numel, dense_fallback, warm-up, the
     exchange's cost model, which weighs the sparse allreduce where ``sparse_available``). The members that take
     the allgather share one payload and one allgather; those that take the sparse allreduce share one alltoall
-    and one allgather.
+    and one allgather. ``config`` None: every member dense (ratio="auto" while dense is in force).
     """
     if not members:
         raise ValueError("horovod-topk: a bucket needs at least one member")
     planned, offset = [], 0
     for name, numel in members:
+        if config is None:
+            planned.append(MemberPlan(name, offset, numel, TensorPlan(numel, None, "ratio='auto': dense", DENSE),
+                                      None))
+            offset += numel
+            continue
         plan = plan_tensor(name, numel, is_floating, config, world_size=world_size, step=step,
                            value_itemsize=value_itemsize, grad_itemsize=grad_itemsize,
                            sparse_available=sparse_available)

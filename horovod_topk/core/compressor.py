@@ -95,14 +95,15 @@ class CompressorState(abc.ABC, Generic[R]):
 
     def _auto_decide(self, measurement: Measurement, rank: Optional[int] = None) -> None:
         """Take ratio="auto"'s decision from ``measurement`` (reduced over ranks: the same everywhere). A new
-        density is logged once and every tensor's rank agreement is checked again under it."""
+        density is logged once. After every decision, changed or not, every tensor's rank agreement is checked
+        again: a decision is where ranks could part (a rank that alone changed its density would otherwise meet
+        ranks that do not check), and one small allgather per tensor every ``auto_every`` steps costs nothing."""
         assert self.auto is not None
         before, first = self.auto.ratio, self.auto.decisions == 0
         choice = self.auto.decide(self._auto_tensors(), measurement)
-        if choice.ratio != before:
-            for _, record in self.registry:
-                record.verified = False
-            self._forget_agreements()
+        for _, record in self.registry:
+            record.verified = False
+        self._forget_agreements()
         if (choice.ratio != before or first) and rank in (None, 0):
             self.telemetry.logger.info(self.auto.summary_line())
 

@@ -22,7 +22,29 @@ from ..core.payload import PayloadLayout
 from ..core.policy import sample_size
 from .selection import backend_for
 
-__all__ = ["TorchProbes", "measure", "install_wait_timer"]
+__all__ = ["TorchProbes", "measure", "install_wait_timer", "select_seconds_per_entry"]
+
+
+def select_seconds_per_entry(numel: int, device: torch.device, selector: str) -> float:
+    """Host seconds per entry of one compress of ``numel`` random entries at ratio 0.01 with ``selector``'s backend
+    on ``device``: best of 3 (synchronised on a GPU: this runs once per decision, not per step). Shared by every
+    front end's probes (Horovod's here, DDP's in torch.ddp_auto)."""
+    flat = torch.randn(numel, device=device)
+    residual = torch.zeros(numel, device=device)
+    k = max(1, math.ceil(0.01 * numel))
+    layout = PayloadLayout(k, 4)
+    backend = backend_for(flat, selector)
+    best = math.inf
+    for step in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        backend.compress(flat, residual, None, 0.0, layout, torch.float32, sample_size(k, numel), step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+        residual.zero_()
+    return best / numel
 
 
 @dataclass
@@ -56,23 +78,7 @@ class TorchProbes:
         return time.perf_counter() - started
 
     def select_seconds_per_entry(self, numel: int) -> float:
-        """Best of 3 (synchronised on a GPU: this runs once per decision, not per step)."""
-        flat = torch.randn(numel, device=self.device)
-        residual = torch.zeros(numel, device=self.device)
-        k = max(1, math.ceil(0.01 * numel))
-        layout = PayloadLayout(k, 4)
-        backend = backend_for(flat, self.selector)
-        best = math.inf
-        for step in range(3):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            started = time.perf_counter()
-            backend.compress(flat, residual, None, 0.0, layout, torch.float32, sample_size(k, numel), step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - started)
-            residual.zero_()
-        return best / numel
+        return select_seconds_per_entry(numel, self.device, self.selector)
 
     def gather_rows(self, row: Sequence[float]) -> List[List[float]]:
         from horovod.torch.mpi_ops import allgather

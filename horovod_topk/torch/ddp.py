@@ -21,9 +21,9 @@ reverse parameter order, so the names are the same on every rank and in every jo
 
 This module imports no Horovod: a DDP user needs torch and horovod-topk only.
 
-What it does not do (refused by name): ``ratio="auto"`` (its probes are built on Horovod's collectives) and
-``target="update"`` (the hook sees gradients, never the optimizer's step: use Horovod's DistributedOptimizer for
-update mode).
+``ratio="auto"`` chooses the density from the job's own measurements as under Horovod (core.autodensity); the
+hook's probes and step clock are torch.ddp_auto's. What it does not do (refused by name): ``target="update"`` (the
+hook sees gradients, never the optimizer's step: use Horovod's DistributedOptimizer for update mode).
 
 The sparse allreduce's alltoall is waited for inside the hook (its owners' sums must be computed before their
 allgather starts, and every collective is issued from the hook's thread so that all ranks issue them in one
@@ -42,15 +42,12 @@ from ..core import checkpoint as core_checkpoint
 from ..core.bucket_plan import BucketPlan, bucket_fingerprint, plan_bucket
 from .bucket_step import BucketStep
 from .checkpoint import TorchTensors
+from .ddp_auto import BucketClock
+from .dist_collectives import all_gather_single as _all_gather_single
 from .selection import dtype_token
 from .state import TorchResiduals
 
 __all__ = ["TopKEFState", "topk_ef_hook", "gather_state", "restore_state"]
-
-#: Every rank's tensor into one output tensor: torch 2.13 names it all_gather_single and deprecates
-#: all_gather_into_tensor; older torch has only the latter.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
     """The state of :func:`topk_ef_hook`: configuration, residuals by parameter, statistics, checkpoints.
@@ -79,9 +76,6 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
     ) -> None:
         super().__init__(ratio, **kwargs)
         config = self.config
-        if config.auto:
-            raise ValueError("horovod-topk: ratio='auto' is not available in the DDP hook (its link probes run on "
-                             "Horovod's collectives); pass a fixed ratio, e.g. TopKEFState(ratio=0.01)")
         if config.target != "gradient":
             raise ValueError("horovod-topk: target='update' is not available in the DDP hook: a communication hook "
                              "sees gradients, never the optimizer's step. Use target='gradient' here, or Horovod's "
@@ -107,6 +101,8 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         self.buckets_reduced = 0
         self.buckets_compressed = 0
         self.buckets_grouped = 0
+        #: With ratio="auto": where each step begins and what it waited for (torch.ddp_auto).
+        self._clock = BucketClock() if config.auto else None
 
     # ---- parameters and plans ------------------------------------------------------------------------------
     def name_of(self, parameter: torch.Tensor) -> str:
@@ -141,11 +137,13 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
 
     def plan(self, members: List[Tuple[str, int]], buffer: torch.Tensor, world_size: int) -> BucketPlan:
         """core's plan for a bucket of ``members`` at their current step (every member of a DDP bucket is reduced
-        once per synchronised iteration, so they share one step count)."""
+        once per synchronised iteration, so they share one step count); with ratio="auto", under the density in
+        force (all dense while dense is)."""
         record = self.registry.records.get(members[0][0])
         step = record.steps if record is not None else 0
         value_dtype = self._wire_dtype(buffer) if buffer.is_floating_point() else buffer.dtype
-        return plan_bucket(members, self.config, is_floating=buffer.is_floating_point(), world_size=world_size,
+        config = self.auto.effective_config() if self.auto is not None else self.config
+        return plan_bucket(members, config, is_floating=buffer.is_floating_point(), world_size=world_size,
                            step=step, value_itemsize=dtype_token(value_dtype).element_size(),
                            grad_itemsize=buffer.element_size(), sparse_available=True)
 
@@ -155,6 +153,8 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
 
     def _after_load(self) -> None:
         self._forget_agreements()
+        if self._clock is not None:  # the stamps of a step in progress belong to the state just replaced
+            self._clock = BucketClock()
 
     def _extra_stats(self) -> Dict[str, Any]:
         return {"buckets": {"reduced": self.buckets_reduced, "compressed": self.buckets_compressed,
@@ -195,6 +195,14 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
     DDP's default allreduce does it (divide, then sum), bit for bit.
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
+    if state._clock is not None:
+        state._clock.bucket(state, bucket, group)
+        return state._clock.launched(bucket, _reduce(state, bucket, group))
+    return _reduce(state, bucket, group)
+
+
+def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any) -> torch.futures.Future[torch.Tensor]:
+    """The bucket's plan executed: its collectives launched, the Future of its averaged gradients returned."""
     world_size = dist.get_world_size(group)
     buffer = bucket.buffer()
     members, shapes = state.bucket_members(bucket)

@@ -1,0 +1,118 @@
+"""ratio="auto" in the DDP communication hook: the link probed with torch.distributed, a step timed from its buckets.
+
+The decision itself is core's (core.autodensity, from the measurement sequence of core.linkprobe), the same as
+under Horovod; what only the hook can do is say where a step begins and what it waited for:
+
+- **A step begins at bucket 0.** DDP's reducer launches bucket i only after buckets 0 .. i-1 (it reduces them in
+  index order), so every rank's hook sees bucket 0 first in every synchronised iteration (``no_sync()``
+  iterations call no hook). There the clock closes the last step's measurement and, when a decision is due, the
+  probes run: nothing of this step is in flight yet, and every rank is at the same step.
+- **The wait** is from the end of the hook's work on the last bucket (backward has produced every gradient and
+  the last collective is launched) to the completion of the step's last collective: what DDP waits for before
+  the optimizer may step, the twin of Horovod's ``synchronize()``. The selection's time inside the hook is
+  counted as compression (torch.state), so it is not counted twice. On CUDA the futures complete when the work
+  is done on the device's stream as seen by the host, so the wait is the host's view of it.
+
+Probes run on the hook's process group, on the bucket's device (CPU tensors on Gloo, CUDA ones on NCCL).
+"""
+import time
+from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..core import linkprobe
+from ..core.autodensity import AutoDensity, Measurement
+from .auto_density import select_seconds_per_entry
+from .dist_collectives import all_gather_single
+
+__all__ = ["DistProbes", "measure", "BucketClock"]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class DistProbes:
+    """core.linkprobe.LinkProbes over torch.distributed collectives on ``group``, with tensors on ``device``.
+    torch.distributed has no collective names: every rank issues the probes in core's order."""
+
+    group: Any
+    device: torch.device
+    selector: str
+
+    def allreduce_seconds(self, numel: int, name: str, repeats: int) -> List[float]:
+        buf = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        times = []
+        for _ in range(repeats):
+            _synchronize(self.device)
+            started = time.perf_counter()
+            dist.all_reduce(buf, group=self.group)
+            _synchronize(self.device)
+            times.append(time.perf_counter() - started)
+        return times
+
+    def burst_seconds(self, count: int) -> float:
+        world_size = dist.get_world_size(self.group)
+        one = torch.zeros(1, dtype=torch.float32, device=self.device)
+        outs = [torch.empty(world_size, dtype=torch.float32, device=self.device) for _ in range(count)]
+        _synchronize(self.device)
+        started = time.perf_counter()
+        works = [all_gather_single(out, one, group=self.group, async_op=True) for out in outs]
+        for work in works:
+            work.wait()
+        _synchronize(self.device)
+        return time.perf_counter() - started
+
+    def select_seconds_per_entry(self, numel: int) -> float:
+        return select_seconds_per_entry(numel, self.device, self.selector)
+
+    def gather_rows(self, row: Sequence[float]) -> List[List[float]]:
+        mine = torch.tensor(list(row), dtype=torch.float64, device=self.device)
+        rows = torch.empty(dist.get_world_size(self.group) * mine.numel(), dtype=torch.float64, device=self.device)
+        all_gather_single(rows, mine, group=self.group)
+        return rows.view(-1, mine.numel()).tolist()
+
+
+def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], group: Any, device: torch.device,
+            selector: str) -> Measurement:
+    """Probe the link, time a selection, and gather every rank's row: the Measurement every rank decides from."""
+    return linkprobe.measure(auto, tensors, DistProbes(group, device, selector), dist.get_world_size(group))
+
+
+class BucketClock:
+    """Where a step begins and what it waited for, from the buckets DDP hands the hook (module docstring)."""
+
+    def __init__(self) -> None:
+        #: When the hook finished launching the last bucket of the step in progress; 0.0: not yet.
+        self.ready = 0.0
+        #: When the last collective of the step in progress completed (written by collective callbacks).
+        self.done = 0.0
+
+    def bucket(self, state: Any, bucket: Any, group: Any) -> None:
+        """A bucket reached the hook, before it is planned: at bucket 0, close the last step and decide if due."""
+        if bucket.index() != 0:
+            return
+        now = time.perf_counter()
+        auto = state.auto
+        if self.done > self.ready > 0.0:
+            auto.waited(self.done - self.ready)
+        self.ready = self.done = 0.0
+        if auto.begin(auto.step + 1, now):
+            device = bucket.buffer().device
+            state._auto_decide(measure(auto, state._auto_tensors(), group, device, state.config.selector),
+                               dist.get_rank(group))
+
+    def launched(self, bucket: Any, future: torch.futures.Future) -> torch.futures.Future:
+        """``future`` (the bucket's result), its completion stamped; the last bucket's launch is stamped too."""
+        if bucket.is_last():
+            self.ready = time.perf_counter()
+
+        def stamp(fut: torch.futures.Future) -> torch.Tensor:
+            self.done = max(self.done, time.perf_counter())
+            return fut.value()
+
+        return future.then(stamp)

@@ -1,0 +1,127 @@
+"""What each DDP worker runs for ratio="auto" (tests/ddp/harness.py starts them): the real hook, collectives and
+planning; where a test scripts the link, torch.ddp_auto.measure is replaced in the worker by tests/auto_links.py's
+measurements for each step."""
+# no "from __future__ import annotations": DDP checks a hook's annotations as objects
+
+import copy
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from horovod_topk.torch import ddp_auto
+from horovod_topk.torch.ddp import TopKEFState
+from tests import auto_links
+from tests.auto_links import FIRST_DECISION
+
+from .workers import all_equal_across_ranks, ddp_of, flat_params, make_model, recording_hook, train_step
+
+#: Scripts of the link by name (a spawned worker receives names, not closures): measurement by decision step.
+SCRIPTS: Dict[str, Callable[[int], Callable[[int], Any]]] = {
+    # sparse from the first decision, back to dense at the second (sparse measured slower), sparse again after
+    "changes": lambda step: {FIRST_DECISION: auto_links.slow_link,
+                             2 * FIRST_DECISION: auto_links.sparse_slower_than_dense}.get(step,
+                                                                                          auto_links.much_slower_link),
+    "slow_then_sparse_slower": lambda step: (auto_links.slow_link if step < 2 * FIRST_DECISION
+                                             else auto_links.sparse_slower_than_dense),
+}
+
+
+def scripted(name: Optional[str], rank: int = 0) -> List[int]:
+    """Replace ddp_auto.measure by the script ``name`` (None: keep the real probes); the steps decided at."""
+    decided: List[int] = []
+    if name is None:
+        return decided
+
+    def measure(auto, tensors, group, device, selector):
+        decided.append(auto.step)
+        plan = SCRIPTS[name](auto.step) if name != "ranks_disagree" else (
+            auto_links.slow_link if rank == 0 else auto_links.fast_link)
+        return plan(torch.distributed.get_world_size(group))
+
+    ddp_auto.measure = measure
+    return decided
+
+
+def measured(rank: int, world_size: int) -> Dict[str, Any]:
+    """No script: the real probes decide; every rank must hold the same history and parameters."""
+    model = make_model()
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=6, named_parameters=model.named_parameters())
+    ddp = ddp_of(model, state, bucket_cap_mb=0.3)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    history = []
+    for step in range(FIRST_DECISION + 14):
+        train_step(ddp, opt, rank, step)
+        history.append(state.auto.ratio)
+    auto = state.stats()["auto"]
+    return {"history": history, "decisions": auto["decisions"], "last": auto["last"],
+            "same": all_equal_across_ranks(flat_params(model))}
+
+
+def invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
+    """A float64 model through the recording hook under a scripted link; every bucket's record, the density per
+    step, the decision steps and the statistics."""
+    decided = scripted(script)
+    model = make_model(torch.float64)
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=FIRST_DECISION)
+    log: List[Dict[str, Any]] = []
+    ddp = DDP(model, bucket_cap_mb=0.3)
+    ddp.register_comm_hook(state, recording_hook(log))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ratios, sent = [], []
+    for step in range(4 * FIRST_DECISION):
+        before = state.stats()["bytes_sent"]
+        train_step(ddp, opt, rank, step, torch.float64)
+        ratios.append(state.auto.ratio)
+        sent.append(state.stats()["bytes_sent"] - before)
+    params = flat_params(model)
+    return {"log": log, "ratios": ratios, "sent": sent, "decided": decided, "stats": state.stats(),
+            "same": all_equal_across_ranks(params)}
+
+
+def resume(rank: int, world_size: int) -> Dict[str, Any]:
+    """3 x FIRST_DECISION steps straight, against a checkpoint (model, optimizer, TopKEFState) taken while sparse,
+    loaded into fresh objects that run the rest."""
+    scripted("slow_then_sparse_slower")
+    save_at, end = FIRST_DECISION + 3, 3 * FIRST_DECISION
+
+    def fresh():
+        model = make_model()
+        state = TopKEFState(ratio="auto", min_numel=64, auto_every=5, named_parameters=model.named_parameters())
+        return model, state, ddp_of(model, state, bucket_cap_mb=0.3), torch.optim.Adam(model.parameters(), 1e-2)
+
+    model, state, ddp, opt = fresh()
+    saved: Dict[str, Any] = {}
+    for step in range(end):
+        train_step(ddp, opt, rank, step)
+        if step == save_at:
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "topk": state.state_dict()})
+    straight, straight_ratios = flat_params(model), state.stats()["auto"]
+
+    model, state, ddp, opt = fresh()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["topk"])
+    for step in range(save_at + 1, end):
+        train_step(ddp, opt, rank, step)
+    return {"straight": straight, "resumed": flat_params(model), "saved_ratio": saved["topk"]["auto"]["ratio"],
+            "straight_auto": straight_ratios, "resumed_auto": state.stats()["auto"]}
+
+
+def disagree(rank: int, world_size: int, how: str) -> str:
+    """Ranks that part: another budget on rank 1 (``how="budget"``), or a decision that differs by rank
+    (``how="decision"``, a scripted link that differs by rank): every rank must raise instead of hanging."""
+    if how == "decision":
+        scripted("ranks_disagree", rank)
+    model = make_model()
+    budget = 0.2 if how == "budget" and rank == 1 else 0.1
+    state = TopKEFState(ratio="auto", min_numel=64, budget=budget)
+    ddp = ddp_of(model, state, bucket_cap_mb=0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        for step in range(FIRST_DECISION + 3):
+            train_step(ddp, opt, rank, step)
+    except Exception as error:  # DDP re-raises the hook's RankMismatch from backward()
+        return f"{type(error).__name__} at step {state.auto.step}: {error}"
+    return "no error"

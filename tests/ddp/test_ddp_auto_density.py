@@ -1,0 +1,66 @@
+"""ratio="auto" in the DDP hook on real torch.distributed workers (Gloo, CPU): the same decisions on every rank from
+the real probes; error feedback exact and parameters identical through dense -> sparse -> dense -> sparse; exact
+resume with the density in force; ranks that part raise RankMismatch instead of hanging."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.auto_links import FIRST_DECISION
+
+from . import auto_workers, harness
+from .test_ddp_hook import _check_invariant
+
+
+def test_measured_decisions_are_the_same_on_every_rank():
+    results = harness.run(auto_workers.measured, 2)
+    assert all(r["same"] for r in results)
+    assert results[0]["decisions"] >= 2
+    assert results[0]["history"][:FIRST_DECISION] == [None] * FIRST_DECISION  # dense while measuring
+    for r in results[1:]:
+        assert r["history"] == results[0]["history"]
+        assert r["last"] == results[0]["last"]  # the reduced measurement, bit for bit
+    last = results[0]["last"]
+    assert last["bandwidth_bps"] > 0 and last["compute_s"] > 0 and last["world_size"] == 2
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_error_feedback_stays_exact_through_every_change_of_density(world_size):
+    results = harness.run(auto_workers.invariant, world_size, "changes")
+    _check_invariant(results, world_size)  # per bucket call, per member, across the changes
+    assert all(r["same"] for r in results)
+    ratios = results[0]["ratios"]
+    assert all(r["ratios"] == ratios and r["decided"] == results[0]["decided"] for r in results)
+    changes = [(i, r) for i, r in enumerate(ratios) if i and r != ratios[i - 1]]
+    assert ratios[0] is None and len(changes) >= 3, changes
+    assert changes[0][0] == FIRST_DECISION  # decided at the first bucket of that step, which ran sparse
+    assert any(r is None for _, r in changes[1:]), changes  # back to dense once
+    sent, dense = results[0]["sent"], results[0]["sent"][0]
+    by_ratio: dict = {}
+    for i, ratio in enumerate(ratios):
+        by_ratio.setdefault(ratio, set()).add(sent[i])
+        if ratio is None:
+            assert sent[i] == dense  # every member dense (leftovers travel inside the dense bytes)
+        else:
+            # an entry costs at most twice a dense entry (index + value); the tiny dense member and k's rounding up
+            assert 0 < sent[i] < dense * 2 * ratio + 1024, (ratio, sent[i], dense)
+    assert all(len(bytes_) == 1 for bytes_ in by_ratio.values()), by_ratio  # the density in force decides the bytes
+
+
+def test_checkpoint_resumes_exactly_with_the_density_in_force():
+    results = harness.run(auto_workers.resume, 2)
+    for r in results:
+        assert r["saved_ratio"] is not None  # saved while sparse
+        assert torch.equal(r["straight"], r["resumed"])
+        assert r["straight_auto"]["ratio"] == r["resumed_auto"]["ratio"]
+    assert torch.equal(results[0]["resumed"], results[1]["resumed"])
+
+
+@pytest.mark.parametrize("how,named", [("budget", "budget"), ("decision", "")])
+def test_ranks_that_part_raise_together(how, named):
+    messages = harness.run(auto_workers.disagree, 2, how)
+    for message in messages:
+        assert message.startswith("RankMismatch"), message
+        assert named in message
+    if how == "decision":  # at the decision's step, before any payload of another size was exchanged
+        assert all(f"at step {FIRST_DECISION}:" in m for m in messages), messages
