@@ -329,6 +329,13 @@ class AutoDensity:
         compute = statistics.median(max(0.0, s[0] - s[1] - s[2]) for s in samples)
         return [period, compute, compress, latency_s, large_s, select_s_per_entry, lone_s]
 
+    def wait_counts(self) -> bool:
+        """Whether the wait of the step in progress counts toward the next decision (it is among the last
+        WINDOW_STEPS measured before it), or is the step just before those. A front end whose wait is costly to
+        read (TensorFlow reads stamp variables from the host) reads it only then; the step before the window
+        refreshes what it compares the next reading with."""
+        return self.step >= max(self._measure_from, self.next_decision - WINDOW_STEPS) - 1
+
     def window_was_dense(self) -> bool:
         return self.ratio is None
 

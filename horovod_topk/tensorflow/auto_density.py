@@ -7,7 +7,8 @@ once per step, before any compressed collective of that step is launched, one ``
 
 1. closes the last step's measurement from what the graph stamped (per tensor, in a variable of its own: when
    its gradient was ready, when its reduction was done): wait = the last done - the last ready (what a PyTorch
-   step waits in ``synchronize()``). The selection's time is not stamped (it would need a value out of every
+   step waits in ``synchronize()``), read only for the steps whose wait counts toward the next decision (one
+   read costs ~0.8 ms: AutoDensity.wait_counts). The selection's time is not stamped (it would need a value out of every
    route's branch); the decision takes it from the selection it times (core.linkprobe);
 2. when a decision is due (core.autodensity), probes the link with Horovod's eager collectives and decides (the
    sequence is core.linkprobe's, the same as PyTorch's), from a measurement gathered from every rank: every rank
@@ -145,7 +146,7 @@ class AutoTick:
         #: Per compressed tensor: when its gradient was last ready and when its reduction was last done (seconds
         #: since the epoch). The latest of each over the tensors is the last step's (stamps only grow).
         self._stamps: Dict[str, tf.Variable] = {}
-        #: What the stamps held at the last tick: a step whose stamps did not move measured no wait.
+        #: What the stamps held when last read: a step whose stamps did not move measured no wait.
         self._last_stamps = (0.0, 0.0)
 
     def forget(self) -> None:
@@ -211,10 +212,11 @@ class AutoTick:
     def _tick(self) -> np.int32:
         compressor = self._compressor()
         auto = compressor.auto
-        ready, done = _latest(list(self._stamps.values())) if self._stamps else (0.0, 0.0)
-        if (ready, done) != self._last_stamps and done >= ready > 0.0:
-            auto.waited(done - ready)
-        self._last_stamps = (ready, done)
+        if self._stamps and auto.wait_counts():  # reading the stamps costs ~0.8 ms: only when they count
+            ready, done = _latest(list(self._stamps.values()))
+            if (ready, done) != self._last_stamps and done >= ready > 0.0:
+                auto.waited(done - ready)
+            self._last_stamps = (ready, done)
         if auto.begin(auto.step + 1, time.time()):
             compressor._auto_decide(measure(auto, compressor._auto_tensors(), self._process_set),
                                     self._process_set.rank())

@@ -146,6 +146,24 @@ def test_no_change_waits_auto_every_steps():
     assert auto.ratio is None and auto.next_decision == auto.step + 50
 
 
+def test_a_wait_read_only_when_it_counts_gives_the_same_decisions():
+    """TensorFlow reads a step's wait only when AutoDensity.wait_counts(): the rows decided from must equal those
+    of a front end that records every step's wait, and most steps between decisions must not be read."""
+    config = TopKConfig(ratio="auto", auto_every=50)
+    every, counted = AutoDensity(config), AutoDensity(config)
+    read, rows = 0, []
+    for step in range(130):
+        for auto, only_counted in ((every, False), (counted, True)):
+            if step and (not only_counted or auto.wait_counts()):
+                auto.waited(0.001 * (step % 7))  # the wait of the step just finished, before the next begins
+                read += only_counted
+            if auto.begin(step, now=step * 0.1 + 0.0001 * (step % 5)):
+                rows.append((only_counted, auto.local_row(0.0, 0.0, 0.0)))
+                auto.decide(TENSORS, link(1e12))  # a fast link: dense, checked again, then every 50 steps
+    assert [r for c, r in rows if c] == [r for c, r in rows if not c] and len(rows) == 2 * 4
+    assert read <= 4 * (WINDOW_STEPS + 2) < 129 / 2
+
+
 def test_the_fingerprint_carries_auto_and_its_budget():
     rows = [fingerprint(cfg, (64, 64), "float32", 3, None, "dense")
             for cfg in (AUTO, TopKConfig(ratio="auto", budget=0.2))]
