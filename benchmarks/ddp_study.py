@@ -10,7 +10,9 @@ the same job: bytes on the wire per step and rank, step time, and (on the langua
 Methods: ``dense`` (DDP without a hook), ``fp16`` (torch's fp16_compress_hook), ``topk<ratio>`` (TopKEFState, 8-byte
 entries), ``topkc<ratio>`` (TopKEFState with the compact encoding: 16-bit indices and float8 values, 3 bytes an
 entry, so 0.027 costs about what 0.01 costs in 8-byte entries), ``topks<ratio>`` (the sparse allreduce for every
-compressed tensor; ``topk`` lets the cost model choose), ``powersgd<rank>`` (torch's PowerSGD hook, error
+compressed tensor; ``topk`` lets the cost model choose), ``auto`` (TopKEFState(ratio="auto"): the density chosen
+from the job's measurements; time it with ``--warmup 26`` or more, after its first decision and the check one
+window later), ``powersgd<rank>`` (torch's PowerSGD hook, error
 feedback and warm start on, dense for the first 2 steps as its default ``start_powerSGD_iter`` requires).
 
 Workers are real torch.distributed processes (Gloo) on this machine's loopback; the bytes are what the loopback
@@ -134,7 +136,9 @@ def register(method: str, ddp: nn.Module) -> Any:
     if method == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
-    if method.startswith("topkc"):
+    if method == "auto":
+        state = TopKEFState(ratio="auto")
+    elif method.startswith("topkc"):
         state = TopKEFState(ratio=float(method[5:]), index_bits=16, value_dtype="float8")
     elif method.startswith("topks"):
         state = TopKEFState(ratio=float(method[5:]), exchange="sparse_allreduce")
@@ -198,6 +202,9 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
                 stats = state.stats()
                 row["hook_compression_ratio"] = stats["compression_ratio"]
                 row["exchanges"] = stats["exchanges"]
+                if "auto" in stats:
+                    row["auto_ratio"] = stats["auto"]["ratio"]
+                    row["auto_last"] = stats["auto"]["last"]
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
@@ -227,6 +234,8 @@ def table(rows: List[Dict[str, Any]], workers: int, task: str, steps: int) -> st
             accuracies = [r["accuracy"] for r in rs]
             versus += (f" (accuracy {statistics.mean(accuracies):.4f} ± "
                        f"{(max(accuracies) - min(accuracies)) / 2:.4f})")
+        if "auto_ratio" in rs[0]:
+            method += " (chose " + ", ".join(str(r["auto_ratio"] or "dense") for r in rs) + ")"
         lines.append(f"| {method} | {kb:,.1f} | {1e3 * kb / dense_bytes:.2%} | {ms:.1f} | {loss} | {versus} |")
     return "\n".join(lines)
 
