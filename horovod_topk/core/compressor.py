@@ -97,7 +97,9 @@ class CompressorState(abc.ABC, Generic[R]):
         """Take ratio="auto"'s decision from ``measurement`` (reduced over ranks: the same everywhere). A new
         density is logged once. After every decision, changed or not, every tensor's rank agreement is checked
         again: a decision is where ranks could part (a rank that alone changed its density would otherwise meet
-        ranks that do not check), and one small allgather per tensor every ``auto_every`` steps costs nothing."""
+        ranks that do not check). The price is one small collective per tensor (per bucket in the DDP hook) on the
+        decision's step, once every ``auto_every`` steps once settled; that step is outside the measurement window
+        (core.autodensity.SETTLE_STEPS)."""
         assert self.auto is not None
         before, first = self.auto.ratio, self.auto.decisions == 0
         choice = self.auto.decide(self._auto_tensors(), measurement)

@@ -47,16 +47,8 @@ AGREEMENT_NAME = "topk.auto.agree"
 _READY, _DONE = 0, 1
 
 
-@tf.function
 def _latest_stamps(stamps: List[tf.Variable]) -> tf.Tensor:
     return tf.reduce_max(tf.stack([v.read_value() for v in stamps]), axis=0)
-
-
-def _latest(stamps: List[tf.Variable]) -> "tuple[float, float]":
-    """The latest ready and done stamps over the tensors: one traced read of every variable (eager reads cost
-    ~0.1 ms each)."""
-    ready, done = _latest_stamps(stamps).numpy().tolist()
-    return float(ready), float(done)
 
 
 @dataclass
@@ -148,6 +140,9 @@ class AutoTick:
         self._stamps: Dict[str, tf.Variable] = {}
         #: What the stamps held when last read: a step whose stamps did not move measured no wait.
         self._last_stamps = (0.0, 0.0)
+        #: The latest (ready, done) over the tensors' stamps: one traced read of them all (eager reads cost ~0.1 ms
+        #: each); this tick's own function, traced again only when its tensors change.
+        self._read_stamps = tf.function(_latest_stamps)
 
     def forget(self) -> None:
         """A load or a reset: the ranks check again that they hold the same density and step."""
@@ -184,18 +179,20 @@ class AutoTick:
         position.set_shape([])
         return position
 
-    def ready(self, name: str, tensor: tf.Tensor, position: tf.Tensor) -> None:
-        """Stamp when ``tensor`` (the gradient of ``name``) is ready for this step's reduction (after the tick)."""
+    def ready(self, name: str, tensor: tf.Tensor, position: tf.Tensor) -> Any:
+        """Stamp when ``tensor`` (the gradient of ``name``) is ready for this step's reduction (after the tick);
+        returns the stamp's op for :meth:`done`. The tensor itself does not wait for the stamp."""
         with tf.control_dependencies([tensor, position]):
             now = tf.timestamp()
-        self._stamp(name).scatter_update(tf.IndexedSlices(tf.reshape(now, [1]), [_READY]))
+        return self._stamp(name).scatter_update(tf.IndexedSlices(tf.reshape(now, [1]), [_READY]))
 
-    def done(self, name: str, reduced: tf.Tensor) -> tf.Tensor:
-        """``reduced``, its completion time stamped."""
+    def done(self, name: str, reduced: tf.Tensor, ready_stamp: Any) -> tf.Tensor:
+        """``reduced``, its completion time stamped; it also depends on ``ready_stamp`` (from :meth:`ready`), so
+        that no graph prunes that stamp (tf.function keeps every stateful op; a TF1 graph keeps what is fetched)."""
         with tf.control_dependencies([reduced]):
             now = tf.timestamp()
-        with tf.control_dependencies([self._stamp(name).scatter_update(tf.IndexedSlices(tf.reshape(now, [1]),
-                                                                                         [_DONE]))]):
+        with tf.control_dependencies([ready_stamp, self._stamp(name).scatter_update(
+                tf.IndexedSlices(tf.reshape(now, [1]), [_DONE]))]):
             return tf.identity(reduced)
 
     def _stamp(self, name: str) -> tf.Variable:
@@ -213,7 +210,7 @@ class AutoTick:
         compressor = self._compressor()
         auto = compressor.auto
         if self._stamps and auto.wait_counts():  # reading the stamps costs ~0.8 ms: only when they count
-            ready, done = _latest(list(self._stamps.values()))
+            ready, done = (float(v) for v in self._read_stamps(list(self._stamps.values())).numpy())
             if (ready, done) != self._last_stamps and done >= ready > 0.0:
                 auto.waited(done - ready)
             self._last_stamps = (ready, done)

@@ -211,9 +211,9 @@ class TopKEF(TopKEFBase[Any]):
         route, sizes looked up by the density's position), stamped for the next decision's measurement."""
         tick.follow(step.name, schedule)
         position = tick.choice(step.name, step.process_set)
-        tick.ready(step.name, step.tensor, position)
+        ready_stamp = tick.ready(step.name, step.tensor, position)
         reduced = self._scheduled_reduce(step, schedule, position, op_name, prescale_factor, postscale_factor)
-        return tick.done(step.name, reduced)
+        return tick.done(step.name, reduced, ready_stamp)
 
     def _scheduled_reduce(self, step: "_Step", schedule: RouteSchedule, position: tf.Tensor, op_name: str,
                           prescale_factor: float, postscale_factor: float) -> tf.Tensor:

@@ -8,7 +8,6 @@ selection on this device, and gather every rank's measurement row; the sequence 
 """
 from __future__ import annotations
 
-import math
 import time
 import types
 from dataclasses import dataclass
@@ -18,33 +17,9 @@ import torch
 
 from ..core import linkprobe
 from ..core.autodensity import AutoDensity, Measurement
-from ..core.payload import PayloadLayout
-from ..core.policy import sample_size
-from .selection import backend_for
+from .selection import select_seconds_per_entry
 
-__all__ = ["TorchProbes", "measure", "install_wait_timer", "select_seconds_per_entry"]
-
-
-def select_seconds_per_entry(numel: int, device: torch.device, selector: str) -> float:
-    """Host seconds per entry of one compress of ``numel`` random entries at ratio 0.01 with ``selector``'s backend
-    on ``device``: best of 3 (synchronised on a GPU: this runs once per decision, not per step). Shared by every
-    front end's probes (Horovod's here, DDP's in torch.ddp_auto)."""
-    flat = torch.randn(numel, device=device)
-    residual = torch.zeros(numel, device=device)
-    k = max(1, math.ceil(0.01 * numel))
-    layout = PayloadLayout(k, 4)
-    backend = backend_for(flat, selector)
-    best = math.inf
-    for step in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        backend.compress(flat, residual, None, 0.0, layout, torch.float32, sample_size(k, numel), step)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-        residual.zero_()
-    return best / numel
+__all__ = ["TorchProbes", "measure", "install_wait_timer"]
 
 
 @dataclass

@@ -10,11 +10,15 @@ under Horovod; what only the hook can do is say where a step begins and what it 
 - **The wait** is from the end of the hook's work on the last bucket (backward has produced every gradient and
   the last collective is launched) to the completion of the step's last collective: what DDP waits for before
   the optimizer may step, the twin of Horovod's ``synchronize()``. The selection's time inside the hook is
-  counted as compression (torch.state), so it is not counted twice. On CUDA the futures complete when the work
-  is done on the device's stream as seen by the host, so the wait is the host's view of it.
+  counted as compression (torch.state), so it is not counted twice.
 
-Probes run on the hook's process group, on the bucket's device (CPU tensors on Gloo, CUDA ones on NCCL).
+**CPU buckets only.** The wait is timed on the host from the collectives' futures. On CUDA (NCCL) a collective's
+future completes when its work is queued on a stream, not when it is done, so a host timer would read every wait as
+zero, every dense window as fully hidden behind backward, and auto would stay dense for the wrong reason. Until the
+wait is timed with CUDA events (and that is tested on a GPU), the hook refuses ratio="auto" on a bucket that is not
+on the CPU, at the first bucket on every rank alike, before any collective.
 """
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from ..core import linkprobe
 from ..core.autodensity import AutoDensity, Measurement
-from .auto_density import select_seconds_per_entry
+from .selection import select_seconds_per_entry
 from .dist_collectives import all_gather_single
 
 __all__ = ["DistProbes", "measure", "BucketClock"]
@@ -89,13 +93,27 @@ class BucketClock:
     def __init__(self) -> None:
         #: When the hook finished launching the last bucket of the step in progress; 0.0: not yet.
         self.ready = 0.0
-        #: When the last collective of the step in progress completed (written by collective callbacks).
+        #: When the last collective of the step in progress completed (written by collective callbacks, which
+        #: run on the process group's threads: under the lock).
         self.done = 0.0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        """Pickled empty: host times and a lock mean nothing in another process."""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def bucket(self, state: Any, bucket: Any, group: Any) -> None:
         """A bucket reached the hook, before it is planned: at bucket 0, close the last step and decide if due."""
         if bucket.index() != 0:
             return
+        if bucket.buffer().device.type != "cpu":
+            raise ValueError("horovod-topk: ratio='auto' in the DDP hook needs CPU buckets (Gloo): on CUDA a "
+                             "collective's future completes when it is queued, so the step's wait cannot be timed "
+                             "on the host. Pass a fixed ratio to TopKEFState on GPUs, or use ratio='auto' through "
+                             "Horovod's hvd.DistributedOptimizer.")
         now = time.perf_counter()
         auto = state.auto
         if self.done > self.ready > 0.0:
@@ -112,7 +130,9 @@ class BucketClock:
             self.ready = time.perf_counter()
 
         def stamp(fut: torch.futures.Future) -> torch.Tensor:
-            self.done = max(self.done, time.perf_counter())
+            now = time.perf_counter()
+            with self._lock:
+                self.done = max(self.done, now)
             return fut.value()
 
         return future.then(stamp)

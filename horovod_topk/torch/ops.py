@@ -4,6 +4,7 @@ compensate_and_select  residual += grad; pick the k largest |residual|; keep wha
 compensate_nonfinite   the same step for a gradient with NaN/Inf entries (they are sent, never kept)
 pack / unpack          the core payload layout (core.payload) as a uint8 buffer and back, without copies
 scatter_sum            the dense sum of all ranks' payloads: one index_add_ over the P*k entries
+add_leftovers          a tensor that goes dense takes its residual's leftovers, if it is finite, without a host read
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from ..core.payload import PayloadLayout
 
-__all__ = ["residual_dtype", "compensate_and_select", "compensate_nonfinite", "pack", "unpack", "scatter_sum"]
+__all__ = ["residual_dtype", "compensate_and_select", "compensate_nonfinite", "pack", "unpack", "scatter_sum",
+           "add_leftovers"]
 
 
 def residual_dtype(grad_dtype: torch.dtype) -> torch.dtype:
@@ -117,3 +119,15 @@ def scatter_sum(indices: torch.Tensor, values: torch.Tensor, numel: int, acc_dty
     dense = torch.zeros(numel, dtype=acc_dtype, device=values.device)
     dense.index_add_(0, indices.reshape(-1), values.reshape(-1).to(acc_dtype))
     return dense
+
+
+def add_leftovers(tensor: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``tensor += residual`` and ``residual = 0`` when every entry of ``tensor`` is finite; both unchanged
+    otherwise (a non-finite step is skipped or lost, the leftovers wait for a later one). Returns 1 when
+    ``tensor`` was not finite, else 0 (0-dim int64 on its device). No host synchronisation: on a GPU this runs for
+    every tensor of every dense step while a residual exists."""
+    finite = torch.isfinite(tensor).all()
+    leftovers = residual.to(tensor.dtype).view(tensor.shape)
+    tensor.add_(torch.where(finite, leftovers, torch.zeros((), dtype=tensor.dtype, device=tensor.device)))
+    residual.mul_((~finite).to(residual.dtype))
+    return (~finite).to(torch.int64)

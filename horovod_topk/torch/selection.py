@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import time
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -31,8 +33,8 @@ from ..core.payload import PayloadLayout
 from ..core.policy import sample_size
 from . import device_select, encoding, ops
 
-__all__ = ["Backend", "ReferenceBackend", "FusedBackend", "DeviceBackend", "TritonBackend", "backend_for", "ENV",
-           "compress_tensor", "decompress_tensor", "triton_backend", "on_device"]
+__all__ = ["Backend", "ReferenceBackend", "FusedBackend", "DeviceBackend", "TritonBackend", "backend_for",
+           "select_seconds_per_entry", "ENV", "compress_tensor", "decompress_tensor", "triton_backend", "on_device"]
 
 ENV = "HOROVOD_TOPK_SELECTION"
 Count = Union[int, torch.Tensor]  # a 0-dim device tensor where reading the count would synchronise
@@ -244,3 +246,25 @@ def decompress_tensor(
         flat.copy_(ops.scatter_sum(indices, values * scale, flat.numel(), ops.residual_dtype(flat.dtype)))
     else:
         backend.decompress(gathered, world_size, layout, value_dtype, scale, flat)
+
+
+def select_seconds_per_entry(numel: int, device: torch.device, selector: str) -> float:
+    """Host seconds per entry of one compress of ``numel`` random entries at ratio 0.01 with ``selector``'s backend
+    on ``device``: best of 3 (synchronised on a GPU: it runs once per ratio="auto" decision, not per step). What
+    every front end's link probes time a selection with (torch.auto_density for Horovod, torch.ddp_auto for DDP)."""
+    flat = torch.randn(numel, device=device)
+    residual = torch.zeros(numel, device=device)
+    k = max(1, math.ceil(0.01 * numel))
+    layout = PayloadLayout(k, 4)
+    backend = backend_for(flat, selector)
+    best = math.inf
+    for step in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        backend.compress(flat, residual, None, 0.0, layout, torch.float32, sample_size(k, numel), step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+        residual.zero_()
+    return best / numel

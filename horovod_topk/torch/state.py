@@ -89,7 +89,10 @@ class TorchResiduals:
         is lost. A non-finite gradient keeps them for a later step (AMP skips the step, or it is lost anyway)."""
         if record.residual is None:
             return
-        if bool(torch.isfinite(tensor).all()):
+        if tensor.device.type != "cpu":  # a host read per tensor and dense step would stall a job that went dense
+            record.nonfinite_steps += ops.add_leftovers(tensor, record.residual)
+            return
+        if bool(torch.isfinite(tensor).all()):  # reading the flag is free on the CPU
             tensor.add_(record.residual.to(tensor.dtype).view(tensor.shape))
             record.residual.zero_()
         else:

@@ -22,6 +22,7 @@ def test_measured_decisions_are_the_same_on_every_rank():
         assert r["last"] == results[0]["last"]  # the reduced measurement, bit for bit
     last = results[0]["last"]
     assert last["bandwidth_bps"] > 0 and last["compute_s"] > 0 and last["world_size"] == 2
+    assert last["measured_step_s"] >= last["compute_s"]  # compute is the step less its wait and compression
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -70,3 +70,19 @@ def test_residual_dtype():
     assert ops.residual_dtype(torch.float16) == torch.float32
     assert ops.residual_dtype(torch.bfloat16) == torch.float32
     assert ops.residual_dtype(torch.float64) == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_leftovers_sends_them_with_a_finite_tensor_and_keeps_them_otherwise(dtype):
+    residual = torch.tensor([0.5, -0.25, 0.0, 1.0])
+    grad = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=dtype).view(2, 2)
+    flag = ops.add_leftovers(grad, residual)
+    assert flag.dtype == torch.int64 and int(flag) == 0
+    assert torch.equal(grad, torch.tensor([[1.5, 1.75], [3.0, 5.0]], dtype=dtype)) and not residual.any()
+
+    residual = torch.tensor([0.5, -0.25, 0.0, 1.0])
+    bad = torch.tensor([1.0, float("nan"), 3.0, float("inf")], dtype=dtype)
+    flag = ops.add_leftovers(bad, residual)
+    assert int(flag) == 1
+    assert torch.equal(residual, torch.tensor([0.5, -0.25, 0.0, 1.0]))  # kept for a later step
+    assert bad[0] == 1.0 and bad[2] == 3.0  # nothing of the leftovers went into a non-finite step
