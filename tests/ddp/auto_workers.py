@@ -59,20 +59,22 @@ def measured(rank: int, world_size: int) -> Dict[str, Any]:
             "same": all_equal_across_ranks(flat_params(model))}
 
 
-def invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
+def invariant(rank: int, world_size: int, script: str, micro_batches: int = 1,
+              ddp_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """A float64 model through the recording hook under a scripted link; every bucket's record, the density per
-    step, the decision steps and the statistics."""
+    step, the decision steps and the statistics. ``micro_batches`` > 1 accumulates under no_sync() (no hook
+    call, so no step of auto's); ``ddp_options``: more DDP options (static_graph, gradients as bucket views)."""
     decided = scripted(script)
     model = make_model(torch.float64)
     state = TopKEFState(ratio="auto", min_numel=64, auto_every=FIRST_DECISION)
     log: List[Dict[str, Any]] = []
-    ddp = DDP(model, bucket_cap_mb=0.3)
+    ddp = DDP(model, bucket_cap_mb=0.3, **(ddp_options or {}))
     ddp.register_comm_hook(state, recording_hook(log))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ratios, sent = [], []
     for step in range(4 * FIRST_DECISION):
         before = state.stats()["bytes_sent"]
-        train_step(ddp, opt, rank, step, torch.float64)
+        train_step(ddp, opt, rank, step, torch.float64, micro_batches)
         ratios.append(state.auto.ratio)
         sent.append(state.stats()["bytes_sent"] - before)
     params = flat_params(model)
