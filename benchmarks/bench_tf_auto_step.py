@@ -1,12 +1,15 @@
 """TensorFlow: what ratio="auto"'s traced step costs over dense when it stays dense, in one process (no link).
 
     python benchmarks/bench_tf_auto_step.py --steps 300 --rounds 3
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/bench_tf_auto_step.py --steps 300 --rounds 3
 
 The Keras digits CNN (examples/digits_keras.py), a batch of 32, SGD, one ``tf.function`` step through
-``hvd.DistributedGradientTape`` with ``hvd.init()`` alone: the collectives are local, so what differs between the
-rows is the graph around them (auto: per compressed tensor a ``tf.switch_case`` over its routes and two stamps,
-one host tick per step). Methods alternate within each round; each gets a fresh model, 30 untimed steps (tracing,
-auto's first decisions), then ``--steps`` timed ones. Prints the median step per method and its ratio to dense.
+``hvd.DistributedGradientTape``. Alone (``hvd.init()`` in one process) the collectives are local, so what differs
+between the rows is the graph around them (auto: per compressed tensor a ``tf.switch_case`` over its routes and
+two stamps, one host tick per step); under horovodrun the collectives are real, and the methods are compared side
+by side in one job. Methods alternate within each round; each gets a fresh model, 30 untimed steps (tracing,
+auto's first decisions), then ``--steps`` timed ones. Rank 0 prints the median step per method and its ratio to
+dense.
 """
 from __future__ import annotations
 
@@ -75,8 +78,10 @@ def main() -> None:
             times[method].append(ms)
             if method == "auto":
                 chosen = ratio
+    if hvd.rank() != 0:
+        return
     dense = statistics.median(times["dense"])
-    print(f"tensorflow {tf.__version__}, {args.steps} steps x {args.rounds} rounds; auto chose "
+    print(f"tensorflow {tf.__version__}, {hvd.size()} worker(s), {args.steps} steps x {args.rounds} rounds; auto chose "
           f"{'dense' if chosen is None else chosen}")
     print("| method | ms per step (each round) | median | / dense |")
     print("|---|---|---|---|")
