@@ -9,7 +9,8 @@ between the rows is the graph around them (auto: per compressed tensor a ``tf.sw
 two stamps, one host tick per step); under horovodrun the collectives are real, and the methods are compared side
 by side in one job. Methods alternate within each round; each gets a fresh model, 30 untimed steps (tracing,
 auto's first decisions), then ``--steps`` timed ones. Rank 0 prints the median step per method and its ratio to
-dense.
+dense. ``--ablate`` adds auto with one part replaced at a time (its dense branch by Horovod's bare allreduce, its
+stamps by nothing, its tick by a constant): what each part costs.
 """
 from __future__ import annotations
 
@@ -30,18 +31,48 @@ import tensorflow as tf  # noqa: E402
 from digits_keras import digits_cnn  # noqa: E402
 from horovod_topk.tensorflow import TopKEF  # noqa: E402
 
+from horovod_topk.tensorflow import auto_density, compressor as tf_compressor  # noqa: E402
+
 METHODS = ("dense", "0.01", "auto")
+#: --ablate: auto with one of its parts replaced, to see what each costs (not a working compressor: timing only)
+ABLATIONS = ("auto-plain-dense", "auto-no-stamps", "auto-no-tick")
+_PARTS = {"call": auto_density.AutoTick._call, "ready": auto_density.AutoTick.ready,
+          "done": auto_density.AutoTick.done, "dense": tf_compressor.TopKEF._dense_reduce}
+
+
+def ablate(method: str) -> None:
+    """Put auto's parts back, then replace the one ``method`` names: the dense branch by Horovod's bare allreduce
+    (no leftovers, no counters), the stamps by nothing, or the tick by a constant position (dense)."""
+    auto_density.AutoTick._call = _PARTS["call"]
+    auto_density.AutoTick.ready = _PARTS["ready"]
+    auto_density.AutoTick.done = _PARTS["done"]
+    tf_compressor.TopKEF._dense_reduce = _PARTS["dense"]
+    if method == "auto-no-tick":
+        auto_density.AutoTick._call = lambda self: tf.constant(0, tf.int32)
+    elif method == "auto-no-stamps":
+        auto_density.AutoTick.ready = lambda self, name, tensor, position: tf.no_op()
+        auto_density.AutoTick.done = lambda self, name, reduced, ready_stamp: reduced
+    elif method == "auto-plain-dense":
+        from horovod.tensorflow.mpi_ops import Average, _allreduce
+
+        def plain(self, step, op_name, prescale_factor, postscale_factor):
+            flat = _allreduce(tf.reshape(step.tensor, [-1]), name=f"{step.name}.dense", op=Average,
+                              ignore_name_scope=True, process_set=step.process_set)
+            return tf.reshape(flat, step.shape)
+
+        tf_compressor.TopKEF._dense_reduce = plain
 
 
 def step_ms(method: str, steps: int) -> "tuple[float, object]":
     """Milliseconds per timed step of ``method``, and (auto) the density in force at the end."""
+    ablate(method)
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=(32, 8, 8, 1)).astype("float32"))
     y = tf.constant(rng.integers(0, 10, size=(32,)))
     tf.keras.utils.set_random_seed(0)
     model = digits_cnn()
     opt = tf.keras.optimizers.SGD(0.01)
-    compressor = None if method == "dense" else TopKEF(ratio="auto" if method == "auto" else float(method))
+    compressor = None if method == "dense" else TopKEF(ratio="auto" if method.startswith("auto") else float(method))
 
     @tf.function
     def step():
@@ -68,12 +99,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ablate", action="store_true", help="also time auto with each of its parts replaced")
     args = parser.parse_args()
     hvd.init()
-    times = {m: [] for m in METHODS}
+    methods = METHODS + (ABLATIONS if args.ablate else ())
+    times = {m: [] for m in methods}
     chosen = None
     for _ in range(args.rounds):
-        for method in METHODS:
+        for method in methods:
             ms, ratio = step_ms(method, args.steps)
             times[method].append(ms)
             if method == "auto":
@@ -85,7 +118,7 @@ def main() -> None:
           f"{'dense' if chosen is None else chosen}")
     print("| method | ms per step (each round) | median | / dense |")
     print("|---|---|---|---|")
-    for method in METHODS:
+    for method in methods:
         med = statistics.median(times[method])
         runs = ", ".join(f"{t:.2f}" for t in times[method])
         print(f"| {method} | {runs} | {med:.2f} | {med / dense:.2f}x |")
