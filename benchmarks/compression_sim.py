@@ -190,7 +190,15 @@ class LocalAdam:
     shared value per block of B entries, from the workers' mean of their own squared gradients (an allreduce of
     numel / B floats: horovod_topk.torch.update_rule); two diagnoses of it: 'oblock:B' -- per block, from the square
     of the averaged gradient (is it the blocks or the mean of squares that costs?), 'rblock:B' -- 'block:B' times
-    each tensor's ||mean_w g_w||^2 / mean_w ||g_w||^2 (would removing the workers' noise from it, per tensor, help?)."""
+    each tensor's ||mean_w g_w||^2 / mean_w ||g_w||^2 (would removing the workers' noise from it, per tensor, help?);
+    'nown' -- each worker's own per-entry second moment, its squared gradient scaled by that same per-tensor share
+    (exact here: the bound of what an estimate of the share from a few sampled coordinates could give; counted as
+    one float per tensor and worker); 'sown:S' -- the same with the share estimated from S coordinates per tensor
+    drawn afresh each step, the same on every worker (an allreduce of S + 1 floats per tensor); 'eown:S' -- 'sown:S'
+    with the share's two sums averaged over steps (exponentially, 0.9) before their ratio is taken; 'kown:M' -- the
+    share from a count sketch of M buckets per tensor (every coordinate hashed to a bucket with a random sign, the
+    same on every worker): the sketch is linear, so the workers' mean sketch is the sketch of the mean gradient and
+    ||sketch||^2 estimates ||mean g||^2 from every coordinate, not a sample (an allreduce of M floats per tensor)."""
 
     def __init__(self, variant: str, opt: torch.optim.Optimizer, params: List[torch.Tensor], workers: int) -> None:
         from horovod_topk.torch import update_rule
@@ -198,9 +206,17 @@ class LocalAdam:
         self.rule = update_rule
         kind, _, block = variant.partition(":")
         blocked = kind in ("block", "oblock", "rblock")
-        if kind not in ("own", "oracle", "ranksq", "block", "oblock", "rblock") or blocked != bool(block):
-            raise ValueError(f"+update:{variant}: one of own, oracle, ranksq, block:B, oblock:B, rblock:B")
+        sampled = kind in ("sown", "eown", "kown")
+        if (kind not in ("own", "nown", "sown", "eown", "kown", "oracle", "ranksq", "block", "oblock", "rblock")
+                or (blocked or sampled) != bool(block)):
+            raise ValueError(f"+update:{variant}: one of own, nown, sown:S, eown:S, kown:M, oracle, ranksq, block:B, "
+                             f"oblock:B, rblock:B")
+        self.share_sums: Dict[int, List[torch.Tensor]] = {}
+        self.sketches: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.kind = kind
+        self.samples = int(block) if sampled else None
+        self.sample_gen = torch.Generator().manual_seed(12345)
+        block = block if blocked else ""
         self.block = int(block) if block else None
         self.decoupled = isinstance(opt, torch.optim.AdamW)
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -209,9 +225,29 @@ class LocalAdam:
         self.params = params
         self.workers = workers
         self.m = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
-        shared = 1 if kind != "own" else workers
+        shared = workers if kind in ("own", "nown", "sown", "eown", "kown") else 1
         self.v = [[torch.zeros(update_rule.block_count(p.numel(), self.block), device=p.device) if self.block
                    else torch.zeros_like(p) for p in params] for _ in range(shared)]
+
+    def _share_sums(self, i: int, p: torch.Tensor, local: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """(||mean_w g_w||^2, mean_w ||g_w||^2) of parameter ``i`` as the variant estimates them, and the floats each
+        worker would send for it."""
+        flat = [g.reshape(-1) for g in local]
+        if self.kind == "nown" or p.numel() <= self.samples:
+            return (sum(flat) / self.workers).square().sum(), sum(g.square().sum() for g in flat) / self.workers, 1
+        if self.kind == "kown":
+            if i not in self.sketches:
+                self.sketches[i] = (torch.randint(self.samples, (p.numel(),), generator=self.sample_gen).to(p.device),
+                                    (torch.randint(2, (p.numel(),), generator=self.sample_gen) * 2 - 1).to(p))
+            bucket, sign = self.sketches[i]
+            sketch = sum(torch.zeros(self.samples, dtype=g.dtype, device=g.device).index_add_(0, bucket, g * sign)
+                         for g in flat) / self.workers
+            own = sum(g.square().sum() for g in flat) / self.workers  # each worker's own norm: exact locally
+            return sketch.square().sum(), own, self.samples + 1
+        at = torch.randint(p.numel(), (self.samples,), generator=self.sample_gen).to(p.device)
+        seen = [g[at] for g in flat]
+        return (sum(seen) / self.workers).square().sum(), sum(g.square().sum() for g in seen) / self.workers, \
+            self.samples + 1
 
     def updates(self, grads: List[List[torch.Tensor]], step: int) -> Tuple[List[List[torch.Tensor]], float]:
         """Each worker's update per parameter (flat), and the bytes the workers hand over for the shared second
@@ -225,6 +261,17 @@ class LocalAdam:
             if self.kind == "own":
                 for w in range(self.workers):
                     self.rule.update_second_moment(self.v[w][i], local[w].square(), beta2)
+            elif self.kind in ("nown", "sown", "eown", "kown"):
+                sq_mean, mean_sq, floats = self._share_sums(i, p, local)
+                if self.kind == "eown":
+                    sums = self.share_sums.setdefault(i, [sq_mean, mean_sq])
+                    sums[0] = 0.9 * sums[0] + 0.1 * sq_mean
+                    sums[1] = 0.9 * sums[1] + 0.1 * mean_sq
+                    sq_mean, mean_sq = sums
+                share = sq_mean / mean_sq.clamp_min(1e-30)
+                for w in range(self.workers):
+                    self.rule.update_second_moment(self.v[w][i], local[w].square() * share, beta2)
+                nbytes += 4.0 * self.workers * floats
             else:
                 if self.kind == "oracle":
                     signal = (sum(local) / self.workers).square()
@@ -241,7 +288,7 @@ class LocalAdam:
                 nbytes += 4.0 * signal.numel() * self.workers
             for w in range(self.workers):
                 u = self.rule.adam_update(
-                    p.detach(), local[w], self.m[w][i], self.v[w if self.kind == "own" else 0][i], step,
+                    p.detach(), local[w], self.m[w][i], self.v[w if self.kind in ("own", "nown", "sown", "eown") else 0][i], step,
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                     decoupled=self.decoupled, block=self.block,
                 )
