@@ -58,6 +58,7 @@ __all__ = [
     "choice_index",
     "config_at",
     "auto_schedule",
+    "dense_plan",
 ]
 
 #: The densities auto chooses among, densest first (dense itself is the candidate None).
@@ -90,6 +91,12 @@ def config_at(config: TopKConfig, ratio: float) -> TopKConfig:
     return replace(config, ratio=ratio, budget=None, auto_every=None)
 
 
+def dense_plan(numel: int) -> TensorPlan:
+    """A tensor's plan while ratio="auto" holds dense: what every front end plans before the first decision and
+    whenever dense is chosen."""
+    return TensorPlan(numel, None, "ratio='auto': dense", DENSE)
+
+
 def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int,
                   value_itemsize: int, grad_itemsize: int, sparse_available: bool = False
                   ) -> Optional[RouteSchedule]:
@@ -97,7 +104,7 @@ def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, 
     branch per route and looks up the choice in force at each step; None when every choice sends it dense (too
     small, not floating, or dense_fallback at every density). Each position is plan_tensor's plan at that density:
     the plan PyTorch executes while it is in force."""
-    plans = [TensorPlan(numel, None, "ratio='auto': dense", DENSE)] + [
+    plans = [dense_plan(numel)] + [
         plan_tensor(name, numel, is_floating, config_at(config, ratio), world_size=world_size,
                     value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
         for ratio in DENSITIES]

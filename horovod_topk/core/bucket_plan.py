@@ -16,6 +16,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from .autodensity import dense_plan
 from .buckets import BucketLayout
 from .config import TopKConfig
 from .consistency import fingerprint
@@ -126,8 +127,7 @@ def plan_bucket(
     planned, offset = [], 0
     for name, numel in members:
         if config is None:
-            planned.append(MemberPlan(name, offset, numel, TensorPlan(numel, None, "ratio='auto': dense", DENSE),
-                                      None))
+            planned.append(MemberPlan(name, offset, numel, dense_plan(numel), None))
             offset += numel
             continue
         plan = plan_tensor(name, numel, is_floating, config, world_size=world_size, step=step,

@@ -27,6 +27,7 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
+from ..core.autodensity import dense_plan
 from ..core.buckets import BucketTable
 from ..core.exchange import ALLGATHER
 from ..core.update_mode import update_tensor_name
@@ -189,7 +190,7 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         if self.auto is not None:
             config = self.auto.effective_config()
             if config is None:
-                return TensorPlan(tensor.numel(), None, "ratio='auto': dense", "dense")
+                return dense_plan(tensor.numel())
         return plan_tensor(
             name, tensor.numel(), tensor.is_floating_point(), config, world_size=world_size,
             step=step, value_itemsize=_dtype_token(self._wire_dtype(tensor)).element_size(),

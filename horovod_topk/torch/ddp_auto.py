@@ -34,15 +34,11 @@ from .dist_collectives import all_gather_single
 __all__ = ["DistProbes", "measure", "BucketClock"]
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class DistProbes:
-    """core.linkprobe.LinkProbes over torch.distributed collectives on ``group``, with tensors on ``device``.
-    torch.distributed has no collective names: every rank issues the probes in core's order."""
+    """core.linkprobe.LinkProbes over torch.distributed collectives on ``group``, with tensors on ``device`` (the
+    CPU: BucketClock refuses other buckets before any probe runs). torch.distributed has no collective names:
+    every rank issues the probes in core's order."""
 
     group: Any
     device: torch.device
@@ -52,10 +48,8 @@ class DistProbes:
         buf = torch.zeros(numel, dtype=torch.float32, device=self.device)
         times = []
         for _ in range(repeats):
-            _synchronize(self.device)
             started = time.perf_counter()
             dist.all_reduce(buf, group=self.group)
-            _synchronize(self.device)
             times.append(time.perf_counter() - started)
         return times
 
@@ -63,12 +57,10 @@ class DistProbes:
         world_size = dist.get_world_size(self.group)
         one = torch.zeros(1, dtype=torch.float32, device=self.device)
         outs = [torch.empty(world_size, dtype=torch.float32, device=self.device) for _ in range(count)]
-        _synchronize(self.device)
         started = time.perf_counter()
         works = [all_gather_single(out, one, group=self.group, async_op=True) for out in outs]
         for work in works:
             work.wait()
-        _synchronize(self.device)
         return time.perf_counter() - started
 
     def select_seconds_per_entry(self, numel: int) -> float:
