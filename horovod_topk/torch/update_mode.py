@@ -107,6 +107,7 @@ class UpdateStep:
         def synchronize(_: Any) -> None:
             horovod_synchronize()
             if self._process_set().included():
+                self._densify_sparse_gradients()
                 self._agree_finite()
 
         def step(_: Any, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -147,6 +148,8 @@ class UpdateStep:
         the first moment is the averaged gradient's and belongs to every rank)."""
         import horovod.torch as hvd
 
+        if not self._process_set().included():  # a rank outside the optimizer's process set holds no first moments
+            return
         for name, p in self._entries():
             moment = self._first_moment(name, p)
             hvd.broadcast_(moment, root_rank=root_rank, name="topk.update.first_moment." + self.scope + name,
@@ -154,11 +157,15 @@ class UpdateStep:
 
     # ---- the collectives ------------------------------------------------------------------------------------
     def _entries(self) -> List[Tuple[str, torch.nn.Parameter]]:
-        """(name, parameter) of every trainable parameter, in name order: the same list on every rank, whichever
-        parameters this rank's backward reached (a parameter without a gradient here contributes a zero one)."""
+        """(name, parameter) of every parameter Horovod reduces, in name order: the same list on every rank,
+        whichever parameters this rank's backward reached (a parameter without a gradient here contributes a zero
+        one). Horovod fixed that set when the optimizer was wrapped (``_requires_update``, the parameters that
+        required gradients then) and gives each of them a gradient in ``synchronize()``, so the user's optimizer
+        steps each of them: one frozen later still moves by its rank's own momentum, and its update must travel
+        like every other, or the ranks' copies of it part."""
         names = self.optimizer._parameter_names
-        entries = [(names[p], p) for group in self.optimizer.param_groups for p in group["params"]
-                   if p.requires_grad]
+        reduced = self.optimizer._requires_update
+        entries = [(names[p], p) for group in self.optimizer.param_groups for p in group["params"] if p in reduced]
         return sorted(entries, key=lambda entry: entry[0])
 
     @staticmethod
@@ -175,6 +182,15 @@ class UpdateStep:
 
         handle = self._dense_allreduce_async_(values, name=name, op=Sum, process_set=self._process_set())
         return self._wait(handle)
+
+    def _densify_sparse_gradients(self) -> None:
+        """With ``sparse_as_dense=True`` Horovod hands a sparse gradient back sparse after its (here: local)
+        reduction; update mode steps the user's optimizer on it and exchanges the update, so it is made dense, as
+        the option asks."""
+        if getattr(self.optimizer, "sparse_as_dense", False):
+            for _, p in self._entries():
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
 
     def _agree_finite(self) -> None:
         """Every rank learns whether any rank's gradient holds NaN/Inf; if so every rank's gradients become NaN."""
@@ -335,7 +351,7 @@ class UpdateStep:
         with torch.no_grad():
             before = [p.detach().clone() for _, p in entries]
             self.user_class.step(self.optimizer)
-            updates = [b.float() - p.detach().float() for b, (_, p) in zip(before, entries)]
+            updates = [_difference(b, p.detach()) for b, (_, p) in zip(before, entries)]
             for b, (_, p) in zip(before, entries):
                 p.copy_(b)
         return updates
@@ -374,6 +390,14 @@ class UpdateStep:
                 p.sub_(applied.view_as(p).to(p.dtype))
         if self.compressor.auto is not None:  # ratio="auto" measures what the step waits for the updates
             self.compressor.auto.waited(time.perf_counter() - waiting)
+
+
+def _difference(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``before - after`` as a float32 update, subtracted in float32 or the parameters' own wider dtype: half
+    precision values are exact in float32, and a float64 model's small steps would round away in float32 before the
+    subtraction."""
+    wide = torch.promote_types(before.dtype, torch.float32)
+    return (before.to(wide) - after.to(wide)).float()
 
 
 def adapt_broadcast_optimizer_state() -> None:

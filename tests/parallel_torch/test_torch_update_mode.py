@@ -382,3 +382,56 @@ def test_op_sum_with_adam_and_sparse_gradients_are_refused_by_name():
                                  compression=TopKEF(target="update"), op=hvd.Sum)
     with pytest.raises(ValueError, match="sparse_as_dense"):
         train(TopKEF(target="update"), sparse_embedding=True, optimizer_factory=SGD, steps=1)
+
+
+def test_sparse_gradients_with_sparse_as_dense_train_as_plain_horovod_does():
+    """sparse_as_dense=True: Horovod hands the (local) sparse gradient back sparse; update mode makes it dense, so
+    SGD at ratio 1 on a model with a sparse embedding equals plain Horovod's training with the same option."""
+    kwargs = {"optimizer_factory": SGD, "sparse_embedding": True, "sparse_as_dense": True}
+    plain = train(hvd.Compression.none, **kwargs)
+    ours = train(TopKEF(**EVERYTHING), **kwargs)
+    assert_same_params(ours, plain)
+    assert "embed.weight" in differs(ours, train(hvd.Compression.none, steps=0, sparse_embedding=True))
+
+
+def test_a_parameter_frozen_after_wrapping_stays_identical_on_every_rank():
+    """A parameter that stops requiring gradients after the optimizer was wrapped still gets a zero gradient from
+    Horovod and moves by each rank's own momentum: its update travels like the others, so the ranks' copies stay
+    bit-identical (with it left out, each rank's momentum moved its own copy)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   compression=TopKEF(ratio=0.05, target="update"))
+    before_freeze = None
+    for step in range(4):
+        if step == 2:
+            model.fc1.weight.requires_grad_(False)
+            before_freeze = model.fc1.weight.detach().clone()
+        opt.zero_grad()
+        x, tokens, y = batch(step)
+        nn.functional.cross_entropy(model(x, tokens, False), y).backward()
+        opt.step()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    assert identical_across_ranks(params, "frozen") == []
+    assert not torch.equal(params["fc1.weight"], before_freeze)  # momentum moved it: the case is exercised
+
+
+def test_a_float64_model_keeps_steps_below_float32_resolution():
+    """The local update is subtracted in the parameters' own float64: a step far below float32's resolution at the
+    parameter's magnitude is not rounded away (or doubled) before it travels."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64).double()
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+        layer.bias.fill_(1.0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0), named_parameters=layer.named_parameters(),
+                                   compression=TopKEF(**EVERYTHING))
+    opt.zero_grad()
+    layer.weight.grad = torch.full_like(layer.weight, 3e-9 * (hvd.rank() + 1))
+    layer.bias.grad = torch.zeros_like(layer.bias)
+    opt.synchronize()
+    with opt.skip_synchronize():
+        opt.step()
+    expected = 1.0 - 3e-9 * (1 + hvd.size()) / 2  # the averaged step, in float64
+    torch.testing.assert_close(layer.weight.detach(), torch.full_like(layer.weight, expected), rtol=0, atol=1e-15)
