@@ -107,8 +107,9 @@ class UpdateStep:
         def synchronize(_: Any) -> None:
             horovod_synchronize()
             if self._process_set().included():
-                self._densify_sparse_gradients()
-                self._agree_finite()
+                entries = self._entries()
+                self._densify_sparse_gradients(entries)
+                self._agree_finite(entries)
 
         def step(_: Any, closure: Optional[Callable[[], Any]] = None) -> Any:
             if closure is not None:
@@ -183,29 +184,29 @@ class UpdateStep:
         handle = self._dense_allreduce_async_(values, name=name, op=Sum, process_set=self._process_set())
         return self._wait(handle)
 
-    def _densify_sparse_gradients(self) -> None:
+    def _densify_sparse_gradients(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> None:
         """With ``sparse_as_dense=True`` Horovod hands a sparse gradient back sparse after its (here: local)
         reduction; update mode steps the user's optimizer on it and exchanges the update, so it is made dense, as
         the option asks."""
         if getattr(self.optimizer, "sparse_as_dense", False):
-            for _, p in self._entries():
+            for _, p in entries:
                 if p.grad is not None and p.grad.is_sparse:
                     p.grad = p.grad.to_dense()
 
-    def _agree_finite(self) -> None:
+    def _agree_finite(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> None:
         """Every rank learns whether any rank's gradient holds NaN/Inf; if so every rank's gradients become NaN."""
-        sparse = [name for name, p in self._entries() if p.grad is not None and p.grad.is_sparse]
+        sparse = [name for name, p in entries if p.grad is not None and p.grad.is_sparse]
         if sparse:
             raise ValueError(f"horovod-topk: TopKEF(target='update') needs dense gradients; {sparse} are sparse "
                              f"(nn.Embedding(sparse=True)): pass sparse_as_dense=True to hvd.DistributedOptimizer")
-        entries = [(name, p) for name, p in self._entries() if p.grad is not None and p.grad.is_floating_point()]
-        counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries]
+        counted = [(name, p) for name, p in entries if p.grad is not None and p.grad.is_floating_point()]
+        counts = [(~torch.isfinite(p.grad)).sum() for _, p in counted]
         count = torch.stack(counts).sum().reshape(1).float().cpu() if counts else torch.zeros(1)
         total = float(self._allreduce_sum(count, NONFINITE_NAME)[0])
-        self._count_bytes(self._entries()[:1], [count.numel() * count.element_size()])
+        self._count_bytes(entries[:1], [count.numel() * count.element_size()])
         self._skip = total > 0
         if self._skip:
-            for (name, p), own in zip(entries, counts):
+            for (name, p), own in zip(counted, counts):
                 if int(own) > 0:  # stats()["nonfinite_steps"]: this rank's tensors that were non-finite
                     self.compressor.registry.record(update_tensor_name(self.scope + name),
                                                     tuple(p.shape)).nonfinite_steps += 1
