@@ -198,7 +198,25 @@ class LocalAdam:
     with the share's two sums averaged over steps (exponentially, 0.9) before their ratio is taken; 'kown:M' -- the
     share from a count sketch of M buckets per tensor (every coordinate hashed to a bucket with a random sign, the
     same on every worker): the sketch is linear, so the workers' mean sketch is the sketch of the mean gradient and
-    ||sketch||^2 estimates ||mean g||^2 from every coordinate, not a sample (an allreduce of M floats per tensor)."""
+    ||sketch||^2 estimates ||mean g||^2 from every coordinate, not a sample (an allreduce of M floats per tensor).
+    Two diagnoses of why an estimate loses what 'nown' gains: 'lown' -- the exact share of the step before (is it
+    the share's correlation with this step's gradients that pays?), 'jown:PCT' -- the exact share times (1 + PCT%
+    of an iid normal) (does an estimate's spread cost by itself?); 'cown:PCT' -- a constant PCT/100 in place of the
+    share (is the gain only a larger step?); 'gown' -- one exact share for the whole model per step (would a single
+    sketch of the whole gradient do?). Buildable around the user's optimizer: 'xown' -- each worker's own second
+    moment as in 'own', its Adam step (not the decay) divided by sqrt of the tensor's exact share averaged over steps
+    with Adam's beta2 (bias-corrected), the share clamped to [1/P, 1]; 'fown:M' -- the same with the share's
+    numerator from a structured count sketch of M buckets per tensor (entry r * M + b in bucket b with row r's
+    random sign; an allreduce of M + 1 floats per tensor); 'zown:M' -- that sketch's share scaling each worker's
+    squared gradient inside its second moment, as 'kown:M' does with a hashed sketch (no index per entry to keep)."""
+
+    #: Variants in which each worker keeps its own second moment (the others share one).
+    PER_WORKER = ("own", "nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "xown", "fown", "zown")
+    #: Variants that keep each worker's own second moment and rescale its update by 1 / sqrt(the tensor's noise
+    #: share, averaged over steps as Adam averages squares): buildable around the user's optimizer, unchanged.
+    RESCALED = ("xown", "fown")
+    #: Variants that scale each worker's own squared gradient by its tensor's noise share.
+    SCALED = ("nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "zown")
 
     def __init__(self, variant: str, opt: torch.optim.Optimizer, params: List[torch.Tensor], workers: int) -> None:
         from horovod_topk.torch import update_rule
@@ -206,11 +224,15 @@ class LocalAdam:
         self.rule = update_rule
         kind, _, block = variant.partition(":")
         blocked = kind in ("block", "oblock", "rblock")
-        sampled = kind in ("sown", "eown", "kown")
-        if (kind not in ("own", "nown", "sown", "eown", "kown", "oracle", "ranksq", "block", "oblock", "rblock")
+        sampled = kind in ("sown", "eown", "kown", "jown", "cown", "fown", "zown")
+        if (kind not in self.PER_WORKER + ("oracle", "ranksq", "block", "oblock", "rblock")
                 or (blocked or sampled) != bool(block)):
-            raise ValueError(f"+update:{variant}: one of own, nown, sown:S, eown:S, kown:M, oracle, ranksq, block:B, "
-                             f"oblock:B, rblock:B")
+            raise ValueError(f"+update:{variant}: one of own, nown, lown, gown, sown:S, eown:S, kown:M, jown:PCT, "
+                             f"cown:PCT, xown, fown:M, zown:M, oracle, "
+                             f"ranksq, block:B, oblock:B, rblock:B")
+        self.lagged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.share_avg: Dict[int, torch.Tensor] = {}
+        self.row_signs: Dict[int, torch.Tensor] = {}
         self.share_sums: Dict[int, List[torch.Tensor]] = {}
         self.sketches: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.kind = kind
@@ -225,7 +247,7 @@ class LocalAdam:
         self.params = params
         self.workers = workers
         self.m = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
-        shared = workers if kind in ("own", "nown", "sown", "eown", "kown") else 1
+        shared = workers if kind in self.PER_WORKER else 1
         self.v = [[torch.zeros(update_rule.block_count(p.numel(), self.block), device=p.device) if self.block
                    else torch.zeros_like(p) for p in params] for _ in range(shared)]
 
@@ -233,8 +255,31 @@ class LocalAdam:
         """(||mean_w g_w||^2, mean_w ||g_w||^2) of parameter ``i`` as the variant estimates them, and the floats each
         worker would send for it."""
         flat = [g.reshape(-1) for g in local]
-        if self.kind == "nown" or p.numel() <= self.samples:
-            return (sum(flat) / self.workers).square().sum(), sum(g.square().sum() for g in flat) / self.workers, 1
+        if self.kind == "cown":  # a constant in place of the share: is it only a larger step?
+            return torch.tensor(self.samples / 100.0), torch.tensor(1.0), 0
+        if self.kind == "gown":  # the whole model's exact share, one number per step (computed once, at tensor 0)
+            if i == 0:
+                self.lagged[-1] = (sum(((sum(g) / self.workers).square().sum() for g in zip(*self.step_grads))),
+                                   sum(sum(x.square().sum() for x in g) for g in zip(*self.step_grads)) / self.workers)
+            return self.lagged[-1][0], self.lagged[-1][1], 1 if i == 0 else 0
+        if self.kind in ("fown", "zown") and p.numel() > self.samples:
+            # a structured count sketch: entry r * M + b goes to bucket b with the sign of row r (rows' signs random,
+            # fixed per tensor): one matrix-vector product per worker, N / M signs of memory, unbiased for ||x||^2
+            M = self.samples
+            rows = -(-p.numel() // M)
+            if i not in self.row_signs:
+                self.row_signs[i] = (torch.randint(2, (rows,), generator=self.sample_gen) * 2 - 1).to(p)
+            padded = [torch.nn.functional.pad(g, (0, rows * M - g.numel())).view(rows, M) for g in flat]
+            sketch = sum(self.row_signs[i] @ g for g in padded) / self.workers
+            return sketch.square().sum(), sum(g.square().sum() for g in flat) / self.workers, M + 1
+        if self.kind in ("nown", "lown", "jown", "xown") or p.numel() <= self.samples:
+            exact = (sum(flat) / self.workers).square().sum(), sum(g.square().sum() for g in flat) / self.workers
+            if self.kind == "lown":  # last step's exact share: is it the share's correlation with this step that pays?
+                exact, self.lagged[i] = self.lagged.get(i, exact), exact
+            if self.kind == "jown":  # the exact share times (1 + PCT% iid normal noise): does an estimate's spread cost?
+                noise = 1.0 + self.samples / 100.0 * torch.randn((), generator=self.sample_gen).item()
+                exact = exact[0] * max(noise, 0.0), exact[1]
+            return exact[0], exact[1], 1
         if self.kind == "kown":
             if i not in self.sketches:
                 self.sketches[i] = (torch.randint(self.samples, (p.numel(),), generator=self.sample_gen).to(p.device),
@@ -254,6 +299,7 @@ class LocalAdam:
         moment (counted as dense tensors are: what every worker hands to its collective)."""
         out: List[List[torch.Tensor]] = [[] for _ in range(self.workers)]
         nbytes = 0.0
+        self.step_grads = grads
         for i, p in enumerate(self.params):
             group = self.group_of[id(p)]
             beta1, beta2 = group["betas"]
@@ -261,7 +307,15 @@ class LocalAdam:
             if self.kind == "own":
                 for w in range(self.workers):
                     self.rule.update_second_moment(self.v[w][i], local[w].square(), beta2)
-            elif self.kind in ("nown", "sown", "eown", "kown"):
+            elif self.kind in self.RESCALED:
+                sq_mean, mean_sq, floats = self._share_sums(i, p, local)
+                share = (sq_mean / mean_sq.clamp_min(1e-30)).clamp(1.0 / self.workers, 1.0)
+                avg = self.share_avg.setdefault(i, torch.zeros(()))
+                avg.mul_(beta2).add_(share, alpha=1.0 - beta2)
+                for w in range(self.workers):
+                    self.rule.update_second_moment(self.v[w][i], local[w].square(), beta2)
+                nbytes += 4.0 * self.workers * floats
+            elif self.kind in self.SCALED:
                 sq_mean, mean_sq, floats = self._share_sums(i, p, local)
                 if self.kind == "eown":
                     sums = self.share_sums.setdefault(i, [sq_mean, mean_sq])
@@ -286,12 +340,18 @@ class LocalAdam:
                         signal = signal * ((sum(local) / self.workers).square().sum() / mean_sq.clamp_min(1e-30))
                 self.rule.update_second_moment(self.v[0][i], signal, beta2)
                 nbytes += 4.0 * signal.numel() * self.workers
+            rescale = self.kind in self.RESCALED
             for w in range(self.workers):
                 u = self.rule.adam_update(
-                    p.detach(), local[w], self.m[w][i], self.v[w if self.kind in ("own", "nown", "sown", "eown") else 0][i], step,
-                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                    p.detach(), local[w], self.m[w][i], self.v[w if self.kind in self.PER_WORKER else 0][i], step,
+                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=0.0 if rescale and self.decoupled else group["weight_decay"],
                     decoupled=self.decoupled, block=self.block,
                 )
+                if rescale:  # Adam's step over sqrt(share): what it would be with the averaged gradient's squares
+                    u.mul_((self.share_avg[i] / (1.0 - beta2**step)).rsqrt())
+                    if self.decoupled and group["weight_decay"]:
+                        u.add_(p.detach(), alpha=group["lr"] * group["weight_decay"])
                 out[w].append(u.reshape(-1))
         return out, nbytes
 
@@ -507,6 +567,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cuda: the same arithmetic on a GPU (many screens at once)")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="gptlm's AdamW weight decay instead of 0.1 (a diagnosis: does decay interact with Top-K?)")
+    parser.add_argument("--lr-scale", type=float, default=None,
+                        help="the task's learning rate times this (a diagnosis: is a method's gain a larger step?)")
     parser.add_argument("--diagnose", action="store_true",
                         help="per compressed tensor: share of coordinates ever applied, steps between arrivals, "
                              "staleness at the end, residual norm / applied norm")
@@ -519,8 +581,11 @@ def main() -> None:
     options = {"device": args.device}
     if args.weight_decay is not None:
         options["weight_decay"] = args.weight_decay
+    if args.lr_scale is not None:
+        options["lr_scale"] = args.lr_scale
     task = make_task(args.task, **options)
     tag = "" if args.weight_decay is None else f"-wd{args.weight_decay:g}"
+    tag += "" if args.lr_scale is None else f"-lr{args.lr_scale:g}"
     tag += "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"  # results of another device apart
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

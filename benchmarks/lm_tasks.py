@@ -95,6 +95,8 @@ class LMTask:
     eval_every: int = 50
     valid_windows: int = 64
     weight_decay: float = 0.1
+    #: The optimizer's learning rate times this (a diagnosis: is a method's gain only a larger step?).
+    lr_scale: float = 1.0
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -111,11 +113,11 @@ class LMTask:
     def optimizer(self, model: nn.Module, steps: int) -> Tuple[torch.optim.Optimizer, Optional[Any]]:
         """The user's optimizer (and schedule, stepped once per step); the same for every method."""
         if self.name == "charlm":
-            return torch.optim.Adam(model.parameters(), lr=3e-3), None
+            return torch.optim.Adam(model.parameters(), lr=3e-3 * self.lr_scale), None
         decay = [p for p in model.parameters() if p.dim() >= 2]
         rest = [p for p in model.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                                lr=3e-3, betas=(0.9, 0.95))
+                                lr=3e-3 * self.lr_scale, betas=(0.9, 0.95))
         warm = max(1, steps // 20)
 
         def factor(step: int) -> float:
