@@ -30,6 +30,7 @@ __all__ = [
     "MOMENTS_NAME",
     "NONFINITE_NAME",
     "ADAM_FAMILY",
+    "NORMALISING_OPTIMIZERS",
     "MomentsLayout",
     "moments_layout",
     "shared_moment_hyperparameters",
@@ -51,6 +52,13 @@ MOMENTS_NAME = "topk.update.moments"
 #: decoupled by default (AdamW) or joins the gradient (Adam's L2 penalty; Adam's ``decoupled_weight_decay=True``
 #: group option makes it AdamW).
 ADAM_FAMILY: Dict[str, bool] = {"torch.optim.adam.Adam": False, "torch.optim.adamw.AdamW": True}
+
+#: torch optimizers whose step is normalised by the gradient's own scale (not linear in it): under ``op=Sum`` the
+#: sum of P local updates is P normalised steps, not the step of the summed gradient, so update mode refuses it.
+NORMALISING_OPTIMIZERS = frozenset(ADAM_FAMILY) | {
+    f"torch.optim.{module}.{name}" for module, name in (
+        ("adagrad", "Adagrad"), ("rmsprop", "RMSprop"), ("adadelta", "Adadelta"), ("adamax", "Adamax"),
+        ("nadam", "NAdam"), ("radam", "RAdam"), ("sparse_adam", "SparseAdam"))} | {"torch.optim.Adafactor"}
 
 #: Why gradient tapes cannot run update mode, and what to use instead.
 TAPE_REFUSAL = (

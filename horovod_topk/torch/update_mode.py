@@ -29,8 +29,8 @@ import torch
 
 from ..core import PendingReduction
 from ..core.update_mode import (
-    ADAM_FAMILY,
     MOMENTS_NAME,
+    NORMALISING_OPTIMIZERS,
     NONFINITE_NAME,
     block_count,
     moments_layout,
@@ -93,10 +93,11 @@ class UpdateStep:
         self.second_moment = resolve_second_moment(self.config.second_moment, self.class_name, optimizer.param_groups)
         from horovod.torch.mpi_ops import Sum
 
-        if getattr(optimizer, "op", None) == Sum and self.class_name in ADAM_FAMILY:
-            raise ValueError("horovod-topk: TopKEF(target='update') with op=hvd.Sum would apply the sum of P "
-                             "normalised Adam updates (P times the step: Adam's update does not grow with the "
-                             "gradient); use op=hvd.Average")
+        if getattr(optimizer, "op", None) == Sum and self.class_name in NORMALISING_OPTIMIZERS:
+            short = self.class_name.rsplit(".", 1)[-1]
+            raise ValueError(f"horovod-topk: TopKEF(target='update') with op=hvd.Sum would apply the sum of P "
+                             f"normalised {short} updates (P times the step: its update does not grow with the "
+                             f"gradient); use op=hvd.Average")
         self._keep_float32_state_on_load()
 
     def install(self) -> None:

@@ -377,9 +377,10 @@ def test_a_gradient_mode_adam_state_loaded_on_rank_0_is_adopted_by_every_rank():
 
 def test_op_sum_with_adam_and_sparse_gradients_are_refused_by_name():
     model = Net(sparse_embedding=True)
-    with pytest.raises(ValueError, match="op=hvd.Sum"):
-        hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
-                                 compression=TopKEF(target="update"), op=hvd.Sum)
+    for normalising in (torch.optim.Adam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adafactor):
+        with pytest.raises(ValueError, match=f"op=hvd.Sum would apply the sum of P normalised {normalising.__name__}"):
+            hvd.DistributedOptimizer(normalising(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+                                     compression=TopKEF(target="update"), op=hvd.Sum)
     with pytest.raises(ValueError, match="sparse_as_dense"):
         train(TopKEF(target="update"), sparse_embedding=True, optimizer_factory=SGD, steps=1)
 
