@@ -56,9 +56,10 @@ ADAM_FAMILY: Dict[str, bool] = {"torch.optim.adam.Adam": False, "torch.optim.ada
 #: torch optimizers whose step is normalised by the gradient's own scale (not linear in it): under ``op=Sum`` the
 #: sum of P local updates is P normalised steps, not the step of the summed gradient, so update mode refuses it.
 NORMALISING_OPTIMIZERS = frozenset(ADAM_FAMILY) | {
-    f"torch.optim.{module}.{name}" for module, name in (
-        ("adagrad", "Adagrad"), ("rmsprop", "RMSprop"), ("adadelta", "Adadelta"), ("adamax", "Adamax"),
-        ("nadam", "NAdam"), ("radam", "RAdam"), ("sparse_adam", "SparseAdam"))} | {"torch.optim.Adafactor"}
+    "torch.optim.adagrad.Adagrad", "torch.optim.rmsprop.RMSprop", "torch.optim.adadelta.Adadelta",
+    "torch.optim.adamax.Adamax", "torch.optim.nadam.NAdam", "torch.optim.radam.RAdam",
+    "torch.optim.sparse_adam.SparseAdam", "torch.optim.Adafactor",
+}
 
 #: Why gradient tapes cannot run update mode, and what to use instead.
 TAPE_REFUSAL = (
