@@ -208,15 +208,16 @@ class LocalAdam:
     with Adam's beta2 (bias-corrected), the share clamped to [1/P, 1]; 'fown:M' -- the same with the share's
     numerator from a structured count sketch of M buckets per tensor (entry r * M + b in bucket b with row r's
     random sign; an allreduce of M + 1 floats per tensor); 'zown:M' -- that sketch's share scaling each worker's
-    squared gradient inside its second moment, as 'kown:M' does with a hashed sketch (no index per entry to keep)."""
+    squared gradient inside its second moment, as 'kown:M' does with a hashed sketch (no index per entry to keep);
+    'rown:M' -- 'zown:M' with the rows' signs drawn afresh each step."""
 
     #: Variants in which each worker keeps its own second moment (the others share one).
-    PER_WORKER = ("own", "nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "xown", "fown", "zown")
+    PER_WORKER = ("own", "nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "xown", "fown", "zown", "rown")
     #: Variants that keep each worker's own second moment and rescale its update by 1 / sqrt(the tensor's noise
     #: share, averaged over steps as Adam averages squares): buildable around the user's optimizer, unchanged.
     RESCALED = ("xown", "fown")
     #: Variants that scale each worker's own squared gradient by its tensor's noise share.
-    SCALED = ("nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "zown")
+    SCALED = ("nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "zown", "rown")
 
     def __init__(self, variant: str, opt: torch.optim.Optimizer, params: List[torch.Tensor], workers: int) -> None:
         from horovod_topk.torch import update_rule
@@ -224,11 +225,11 @@ class LocalAdam:
         self.rule = update_rule
         kind, _, block = variant.partition(":")
         blocked = kind in ("block", "oblock", "rblock")
-        sampled = kind in ("sown", "eown", "kown", "jown", "cown", "fown", "zown")
+        sampled = kind in ("sown", "eown", "kown", "jown", "cown", "fown", "zown", "rown")
         if (kind not in self.PER_WORKER + ("oracle", "ranksq", "block", "oblock", "rblock")
                 or (blocked or sampled) != bool(block)):
             raise ValueError(f"+update:{variant}: one of own, nown, lown, gown, sown:S, eown:S, kown:M, jown:PCT, "
-                             f"cown:PCT, xown, fown:M, zown:M, oracle, "
+                             f"cown:PCT, xown, fown:M, zown:M, rown:M, oracle, "
                              f"ranksq, block:B, oblock:B, rblock:B")
         self.lagged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.share_avg: Dict[int, torch.Tensor] = {}
@@ -262,12 +263,12 @@ class LocalAdam:
                 self.lagged[-1] = (sum(((sum(g) / self.workers).square().sum() for g in zip(*self.step_grads))),
                                    sum(sum(x.square().sum() for x in g) for g in zip(*self.step_grads)) / self.workers)
             return self.lagged[-1][0], self.lagged[-1][1], 1 if i == 0 else 0
-        if self.kind in ("fown", "zown") and p.numel() > self.samples:
+        if self.kind in ("fown", "zown", "rown") and p.numel() > self.samples:
             # a structured count sketch: entry r * M + b goes to bucket b with the sign of row r (rows' signs random,
             # fixed per tensor): one matrix-vector product per worker, N / M signs of memory, unbiased for ||x||^2
             M = self.samples
             rows = -(-p.numel() // M)
-            if i not in self.row_signs:
+            if i not in self.row_signs or self.kind == "rown":  # rown: drawn afresh each step
                 self.row_signs[i] = (torch.randint(2, (rows,), generator=self.sample_gen) * 2 - 1).to(p)
             padded = [torch.nn.functional.pad(g, (0, rows * M - g.numel())).view(rows, M) for g in flat]
             sketch = sum(self.row_signs[i] @ g for g in padded) / self.workers
