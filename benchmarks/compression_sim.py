@@ -209,15 +209,18 @@ class LocalAdam:
     numerator from a structured count sketch of M buckets per tensor (entry r * M + b in bucket b with row r's
     random sign; an allreduce of M + 1 floats per tensor); 'zown:M' -- that sketch's share scaling each worker's
     squared gradient inside its second moment, as 'kown:M' does with a hashed sketch (no index per entry to keep);
-    'rown:M' -- 'zown:M' with the rows' signs drawn afresh each step."""
+    'rown:M' -- 'zown:M' with the rows' signs drawn afresh each step; 'cal:M' -- what horovod-topk's
+    second_moment="calibrated" computes (horovod_topk.torch.update_rule's sketch and clamped share, the signs from
+    core.update_mode.sketch_salt): 'rown:M' with the share clamped to [1/P, 1]."""
 
     #: Variants in which each worker keeps its own second moment (the others share one).
-    PER_WORKER = ("own", "nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "xown", "fown", "zown", "rown")
+    PER_WORKER = ("own", "nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "xown", "fown", "zown", "rown",
+                  "cal")
     #: Variants that keep each worker's own second moment and rescale its update by 1 / sqrt(the tensor's noise
     #: share, averaged over steps as Adam averages squares): buildable around the user's optimizer, unchanged.
     RESCALED = ("xown", "fown")
     #: Variants that scale each worker's own squared gradient by its tensor's noise share.
-    SCALED = ("nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "zown", "rown")
+    SCALED = ("nown", "sown", "eown", "kown", "lown", "jown", "cown", "gown", "zown", "rown", "cal")
 
     def __init__(self, variant: str, opt: torch.optim.Optimizer, params: List[torch.Tensor], workers: int) -> None:
         from horovod_topk.torch import update_rule
@@ -225,11 +228,11 @@ class LocalAdam:
         self.rule = update_rule
         kind, _, block = variant.partition(":")
         blocked = kind in ("block", "oblock", "rblock")
-        sampled = kind in ("sown", "eown", "kown", "jown", "cown", "fown", "zown", "rown")
+        sampled = kind in ("sown", "eown", "kown", "jown", "cown", "fown", "zown", "rown", "cal")
         if (kind not in self.PER_WORKER + ("oracle", "ranksq", "block", "oblock", "rblock")
                 or (blocked or sampled) != bool(block)):
             raise ValueError(f"+update:{variant}: one of own, nown, lown, gown, sown:S, eown:S, kown:M, jown:PCT, "
-                             f"cown:PCT, xown, fown:M, zown:M, rown:M, oracle, "
+                             f"cown:PCT, xown, fown:M, zown:M, rown:M, cal:M, oracle, "
                              f"ranksq, block:B, oblock:B, rblock:B")
         self.lagged: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.share_avg: Dict[int, torch.Tensor] = {}
@@ -256,6 +259,14 @@ class LocalAdam:
         """(||mean_w g_w||^2, mean_w ||g_w||^2) of parameter ``i`` as the variant estimates them, and the floats each
         worker would send for it."""
         flat = [g.reshape(-1) for g in local]
+        if self.kind == "cal":  # the product's own computation: the share comes back clamped, as a ratio over 1
+            from horovod_topk.core.update_mode import sketch_salt
+
+            contributions = torch.zeros(self.workers, self.samples + 1)
+            for w, g in enumerate(flat):
+                self.rule.sketch_into(contributions[w], g, sketch_salt(self.step, i))
+            share = self.rule.noise_shares(contributions.sum(dim=0, keepdim=True), self.workers)[0]
+            return share, torch.tensor(1.0), self.samples + 1
         if self.kind == "cown":  # a constant in place of the share: is it only a larger step?
             return torch.tensor(self.samples / 100.0), torch.tensor(1.0), 0
         if self.kind == "gown":  # the whole model's exact share, one number per step (computed once, at tensor 0)
@@ -301,6 +312,7 @@ class LocalAdam:
         out: List[List[torch.Tensor]] = [[] for _ in range(self.workers)]
         nbytes = 0.0
         self.step_grads = grads
+        self.step = step
         for i, p in enumerate(self.params):
             group = self.group_of[id(p)]
             beta1, beta2 = group["betas"]

@@ -30,8 +30,10 @@ INDEX_BITS = (32, 16)
 #: own optimizer update (core.update_mode).
 TARGETS = ("gradient", "update")
 #: Update mode's second moment: "local" -- each rank's optimizer as it is; "shared" -- one per block of entries, the
-#: same on every rank (Adam/AdamW computed by horovod-topk from the user's optimizer's hyperparameters).
-SECOND_MOMENTS = ("local", "shared")
+#: same on every rank; "calibrated" -- each rank's own per entry, fed its squared gradient times the tensor's share of
+#: it that survives averaging over ranks (both Adam/AdamW computed by horovod-topk from the user's optimizer's
+#: hyperparameters; core.update_mode says why).
+SECOND_MOMENTS = ("local", "shared", "calibrated")
 
 #: ratio="auto": the density chosen from the job's own measurements (core.autodensity).
 AUTO = "auto"
@@ -44,6 +46,9 @@ DEFAULT_AUTO_EVERY = 200
 
 #: Entries per shared second-moment value unless the user says otherwise (core.update_mode says why this size).
 DEFAULT_SECOND_MOMENT_BLOCK = 256
+#: Buckets of the sketch that estimates each tensor's noise share for second_moment="calibrated" (core.update_mode
+#: says why this size).
+DEFAULT_SECOND_MOMENT_SKETCH = 64
 
 #: Indices travel as int32 (4 bytes instead of 8 per selected entry), so a tensor compressed as one payload must
 #: have fewer than 2**31 elements. Larger tensors are refused by name rather than silently wrapped.
@@ -111,8 +116,15 @@ class TopKConfig:
             gradient, the same on every rank (one small allreduce per step): the averaged update is then Adam's on
             the averaged first moment. It keeps a third less optimizer state and steps faster; in the measured
             screens it did not converge better than "local" (docs/update-mode.md), so it is not the default.
+            "calibrated" -- Adam/AdamW's step computed by horovod-topk with each rank's own per-entry moments, its
+            squared gradient scaled by the share of the tensor's gradient that survives averaging over ranks
+            (estimated each step from a sketch of ``second_moment_sketch`` floats per tensor, one small allreduce):
+            each rank's own second moment otherwise holds its own batch noise, which the averaged gradient does
+            not, and its steps come out up to sqrt(P) too short (core.update_mode).
         second_moment_block (int): entries per shared second-moment value (target="update", second_moment="shared");
             the allreduce carries 4 bytes per block. Default 256 (0.4% of a dense float32 allreduce).
+        second_moment_sketch (int): buckets of the sketch per tensor (target="update", second_moment="calibrated");
+            the allreduce carries 4 * (buckets + 1) bytes per tensor. Default 64.
         bucket_bytes (int): PyTorch: the compressed gradients of an optimizer travel in buckets of up to this many
             gradient bytes, in the order backward produces them: each member is still selected on its own (its own
             k and residual), but the members planned for the allgather share one payload and one collective, which
@@ -141,6 +153,7 @@ class TopKConfig:
     target: str = "gradient"
     second_moment: str = "local"
     second_moment_block: int = DEFAULT_SECOND_MOMENT_BLOCK
+    second_moment_sketch: int = DEFAULT_SECOND_MOMENT_SKETCH
     budget: Optional[float] = None
     auto_every: Optional[int] = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -199,9 +212,15 @@ class TopKConfig:
         if (isinstance(self.second_moment_block, bool) or not isinstance(self.second_moment_block, int)
                 or self.second_moment_block < 1):
             raise ValueError(f"second_moment_block must be a positive integer, got {self.second_moment_block!r}")
-        if self.target == "gradient" and (self.second_moment != "local" or self.second_moment_block != DEFAULT_SECOND_MOMENT_BLOCK):
-            raise ValueError("second_moment and second_moment_block apply to target='update' only (with "
-                             "target='gradient' the optimizer keeps its own moments of the averaged gradient)")
+        if (isinstance(self.second_moment_sketch, bool) or not isinstance(self.second_moment_sketch, int)
+                or self.second_moment_sketch < 1):
+            raise ValueError(f"second_moment_sketch must be a positive integer, got {self.second_moment_sketch!r}")
+        if self.target == "gradient" and (self.second_moment != "local"
+                                          or self.second_moment_block != DEFAULT_SECOND_MOMENT_BLOCK
+                                          or self.second_moment_sketch != DEFAULT_SECOND_MOMENT_SKETCH):
+            raise ValueError("second_moment, second_moment_block and second_moment_sketch apply to target='update' "
+                             "only (with target='gradient' the optimizer keeps its own moments of the averaged "
+                             "gradient)")
         if self.target == "update" and self.momentum > 0:
             raise ValueError("momentum (DGC momentum correction) applies to target='gradient'; with "
                              "target='update' the optimizer's own momentum acts before compression")

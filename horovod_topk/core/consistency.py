@@ -20,14 +20,14 @@ from .exchange import DENSE, EXCHANGES
 
 __all__ = ["FINGERPRINT_LENGTH", "RankMismatch", "fingerprint", "mismatch_message", "check_name"]
 
-_VERSION = 5
+_VERSION = 6
 _MAX_DIMS = 8
 #: Element dtypes by the names both frameworks print ("float32", not "torch.float32"); others encode as -1.
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 #: The fields of a fingerprint, in order; the shape takes the last _MAX_DIMS + 1 slots (ndim, then the dims).
 _FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "index_bits", "dense_fallback", "warmup_steps",
            "momentum", "dtype", "numel", "step", "decision", "exchange", "route", "target", "second_moment",
-           "second_moment_block", "budget", "auto_every", "bucket_bytes")
+           "second_moment_block", "second_moment_sketch", "budget", "auto_every", "bucket_bytes")
 #: What a "route" field encodes: the exchange a tensor actually takes this step (core.exchange).
 _ROUTES = (DENSE,) + EXCHANGES
 FINGERPRINT_LENGTH = len(_FIELDS) + 1 + _MAX_DIMS
@@ -98,6 +98,7 @@ def fingerprint(
         TARGETS.index(config.target),
         SECOND_MOMENTS.index(config.second_moment),
         int(config.second_moment_block),
+        int(config.second_moment_sketch),
         _float_bits(config.budget if config.budget is not None else -1.0),
         -1 if config.auto_every is None else int(config.auto_every),
         int(config.bucket_bytes),

@@ -15,6 +15,21 @@ linearity is not what costs: a second moment made of the ranks' *own* squared gr
 mean, per entry or per block -- trains alike, and only one made from the square of the *averaged* gradient (a dense
 allreduce) trains better. So each rank's own optimizer (``second_moment="local"``) is the default.
 
+Why each rank's own second moment makes steps too short, and the calibrated one: a rank's squared gradient holds its
+own batch's noise, and averaging over P ranks removes (P - 1)/P of that noise from the gradient but not from the
+rank's second moment. Where a tensor's gradient is mostly noise each rank's ``v`` is up to P times what dense Adam's
+is, and its step up to sqrt(P) too short (the square-root scaling rule for Adam). ``second_moment="calibrated"``
+feeds each rank's own per-entry second moment ``g**2 * share``, where ``share = ||mean_r g_r||**2 / mean_r
+||g_r||**2`` is the fraction of the tensor's squared gradient that survives averaging: 1 for pure signal, 1/P for
+pure noise. The share is estimated every step from a count sketch that every rank builds alike: entry ``r * M + b``
+of the flat gradient goes to bucket ``b`` with the sign of row ``r``. A sketch is linear, so the sum of the ranks'
+sketches is the sketch of the summed gradient, and its squared norm estimates the summed gradient's squared norm
+without bias; each rank adds its own exact squared norm. One allreduce of ``M + 1`` floats per tensor carries both.
+The rows' signs are drawn afresh every step (from the step and the tensor's position, the same on every rank): with
+fixed signs a tensor's persistent gradient structure biases every step's estimate alike, and the simulator measured
+that it keeps almost none of the gain (docs/update-mode.md). M = 64: the estimate's relative spread is about
+sqrt(2 / M) = 18%; 256 buckets measured no better.
+
 A rank whose gradient holds NaN/Inf would poison its own optimizer state (and then every rank's parameters through
 the exchange): when any rank has one, every rank skips the step the same way AMP's GradScaler skips one, and
 nothing -- parameters, optimizer state, residuals -- changes anywhere. The ranks learn it from one small allreduce
@@ -30,6 +45,7 @@ __all__ = [
     "MOMENTS_NAME",
     "NONFINITE_NAME",
     "ADAM_FAMILY",
+    "COMPUTED_SECOND_MOMENTS",
     "NORMALISING_OPTIMIZERS",
     "MomentsLayout",
     "moments_layout",
@@ -40,18 +56,27 @@ __all__ = [
     "update_tensor_name",
     "update_tensor_names",
     "block_count",
+    "NOISE_SHARE_NAME",
+    "SketchLayout",
+    "sketch_layout",
+    "sketch_salt",
 ]
 
 #: The name of the non-finite agreement before the local step (a one-element allreduce of the ranks' counts).
 NONFINITE_NAME = "topk.update.nonfinite"
 #: The name of the shared second moment's allreduce (every tensor's block mean squares), before the local step.
 MOMENTS_NAME = "topk.update.moments"
+#: The name of the calibrated second moment's allreduce (every tensor's sketch and squared norm), before the step.
+NOISE_SHARE_NAME = "topk.update.noise_share"
 
 #: Optimizer classes whose step horovod-topk computes under a shared second moment, by qualified name (module and
 #: class: a third-party class called "AdamW" with other options is not torch's) -> whether weight decay is
 #: decoupled by default (AdamW) or joins the gradient (Adam's L2 penalty; Adam's ``decoupled_weight_decay=True``
 #: group option makes it AdamW).
 ADAM_FAMILY: Dict[str, bool] = {"torch.optim.adam.Adam": False, "torch.optim.adamw.AdamW": True}
+
+#: The second moments whose step horovod-topk computes (Adam/AdamW only), as against "local" (the user's optimizer).
+COMPUTED_SECOND_MOMENTS = ("shared", "calibrated")
 
 #: torch optimizers whose step is normalised by the gradient's own scale (not linear in it): under ``op=Sum`` the
 #: sum of P local updates is P normalised steps, not the step of the summed gradient, so update mode refuses it.
@@ -133,15 +158,15 @@ def moments_layout(numels: Sequence[int], block: int) -> MomentsLayout:
 
 
 def shared_moment_hyperparameters(
-    class_name: str, group: Dict[str, object]
+    class_name: str, group: Dict[str, object], setting: str = "shared"
 ) -> Tuple[float, float, float, float, float, bool]:
     """(lr, beta1, beta2, eps, weight_decay, decoupled) of one parameter group of an Adam-family optimizer (class by
-    qualified name), read every step (a schedule changes lr); a ValueError names what the shared second moment
-    cannot reproduce."""
+    qualified name), read every step (a schedule changes lr); a ValueError names what the second moment ``setting``
+    ("shared" or "calibrated": both compute the step) cannot reproduce."""
     if class_name not in ADAM_FAMILY:
         short = class_name.rsplit(".", 1)[-1]
         raise ValueError(
-            f"horovod-topk: TopKEF(target='update', second_moment='shared') computes torch.optim.Adam/AdamW's step "
+            f"horovod-topk: TopKEF(target='update', second_moment={setting!r}) computes torch.optim.Adam/AdamW's step "
             f"itself and cannot do {class_name}'s; use torch.optim.Adam or AdamW, or second_moment='local' (each "
             f"rank steps its own {short}; averaging their updates costs convergence as the number of ranks grows)."
         )
@@ -149,7 +174,7 @@ def shared_moment_hyperparameters(
     for option in ("amsgrad", "maximize", "differentiable"):
         if bool(group.get(option, False)):
             raise ValueError(f"horovod-topk: {short}({option}=True) is not supported with target='update', "
-                             f"second_moment='shared'; use second_moment='local' for it")
+                             f"second_moment={setting!r}; use second_moment='local' for it")
     lr = group["lr"]
     if not isinstance(lr, (int, float)):  # a tensor lr (capturable/fused setups): read as a number
         lr = float(lr)  # type: ignore[arg-type]
@@ -162,10 +187,47 @@ def shared_moment_hyperparameters(
 
 
 def resolve_second_moment(setting: str, class_name: str, groups: Sequence[Dict[str, object]]) -> str:
-    """TopKConfig.second_moment for the user's optimizer: "local" as it is; "shared" after checking that horovod-topk
-    can compute the optimizer's step (torch's Adam/AdamW without amsgrad, maximize or differentiable), refusing by
-    name what it cannot."""
-    if setting == "shared":
+    """TopKConfig.second_moment for the user's optimizer: "local" as it is; "shared" and "calibrated" after checking
+    that horovod-topk can compute the optimizer's step (torch's Adam/AdamW without amsgrad, maximize or
+    differentiable), refusing by name what it cannot."""
+    if setting in COMPUTED_SECOND_MOMENTS:
         for group in groups:
-            shared_moment_hyperparameters(class_name, group)
+            shared_moment_hyperparameters(class_name, group, setting)
     return setting
+
+
+@dataclass(frozen=True)
+class SketchLayout:
+    """The flat buffer of one step's noise-share allreduce (second_moment="calibrated"): per tensor, ``width``
+    sketch buckets and then its squared norm, in the order given."""
+
+    #: buckets per tensor
+    width: int
+    #: the tensors' count
+    tensors: int
+
+    @property
+    def numel(self) -> int:
+        """The buffer's length: ``width + 1`` floats per tensor."""
+        return self.tensors * (self.width + 1)
+
+    def rows(self, numel: int) -> int:
+        """Rows of ``width`` entries that a tensor of ``numel`` entries spans (the last one padded with zeros)."""
+        return max(1, -(-int(numel) // self.width))
+
+
+def sketch_layout(tensors: int, width: int) -> SketchLayout:
+    """The noise-share buffer of ``tensors`` tensors with sketches of ``width`` buckets."""
+    if width < 1:
+        raise ValueError(f"a sketch needs at least one bucket, got {width}")
+    return SketchLayout(width=int(width), tensors=int(tensors))
+
+
+def sketch_salt(step: int, position: int) -> int:
+    """The seed of the rows' signs of the tensor at ``position`` (in the ranks' common order) at ``step``: the same
+    on every rank, different for every step and tensor, a non-negative 31-bit integer (exact in every framework's
+    integer arithmetic). A splitmix-style mix of the two, so that neighbouring steps share no pattern."""
+    x = (int(step) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & (2**31 - 1)

@@ -10,7 +10,9 @@ What one step does, on every rank:
    ``step()`` without GradScaler skips it too (nothing changes anywhere);
 3. ``step()``: with the shared second moment, one allreduce of every tensor's block mean squares (after the user
    clipped or unscaled), then this rank's Adam/AdamW update from the optimizer's own hyperparameters and state;
-   with ``second_moment="local"`` the user's optimizer steps and the update is parameters before minus after (the
+   with the calibrated one, one allreduce of every tensor's sketch and squared norm, then this rank's Adam/AdamW
+   update with its own moments, its squared gradient scaled by the tensor's noise share; with
+   ``second_moment="local"`` the user's optimizer steps and the update is parameters before minus after (the
    parameters are put back). Each update goes through the compressor's exchange (error feedback, selection,
    allgather / sparse allreduce / compact encoding, or a dense allreduce for small tensors), and every rank
    subtracts the average of the applied updates from the same parameters: bit-identical on every rank.
@@ -30,20 +32,26 @@ import torch
 from ..core import PendingReduction
 from ..core.update_mode import (
     MOMENTS_NAME,
+    NOISE_SHARE_NAME,
     NORMALISING_OPTIMIZERS,
     NONFINITE_NAME,
     block_count,
     moments_layout,
     resolve_second_moment,
     shared_moment_hyperparameters,
+    sketch_layout,
+    sketch_salt,
     update_tensor_name,
 )
 from . import update_rule
 
 __all__ = ["UpdateStep", "LocalHandle", "adapt_broadcast_optimizer_state"]
 
-#: What torch.optim.Adam/AdamW keep per parameter (without amsgrad): a state update mode adopts.
+#: What torch.optim.Adam/AdamW keep per parameter (without amsgrad): a state update mode adopts, and the calibrated
+#: second moment's own (each rank's, as a local Adam's would be).
 _ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+#: The optimizer-state tensors each computed second moment keeps in float32 whatever the parameters' dtype.
+_FLOAT32_KEYS = {"shared": ("shared_exp_avg_sq",), "calibrated": ("exp_avg", "exp_avg_sq")}
 
 
 class LocalHandle:
@@ -88,8 +96,8 @@ class UpdateStep:
         self.skipped_steps = 0
         #: The user's class by module and name (core.update_mode.ADAM_FAMILY is keyed so).
         self.class_name = f"{self.user_class.__module__}.{self.user_class.__qualname__}"
-        #: "shared" or "local" (TopKConfig.second_moment resolved for this optimizer; refused here, before training,
-        #: when "shared" was asked of an optimizer it cannot compute)
+        #: "local", "shared" or "calibrated" (TopKConfig.second_moment resolved for this optimizer; refused here,
+        #: before training, when a computed one was asked of an optimizer it cannot compute)
         self.second_moment = resolve_second_moment(self.config.second_moment, self.class_name, optimizer.param_groups)
         from horovod.torch.mpi_ops import Sum
 
@@ -136,7 +144,13 @@ class UpdateStep:
         from an Adam state -- so that Horovod's broadcast_optimizer_state finds the same keys on every rank instead
         of initialising Adam's own with a step on zero gradients (a joining elastic worker would then hold other
         keys than the others, and the broadcast of mismatched keys would wait forever). Returns whether this rank
-        adopted an Adam state (its first moments then go to the others too: adapt_broadcast_optimizer_state)."""
+        adopted an Adam state (its first moments then go to the others too: adapt_broadcast_optimizer_state). The
+        calibrated second moment keeps Adam's own keys, each rank's (an Adam state is its own already: nothing to
+        adopt beyond float32 copies)."""
+        if self.second_moment == "calibrated":
+            for name, p in self._entries():
+                self._own_state(name, p)
+            return False
         if self.second_moment != "shared":
             return False
         adopted = False
@@ -225,8 +239,9 @@ class UpdateStep:
             self._skip = False
             self.skipped_steps += 1
             return None
-        if self.second_moment == "shared":
-            updates = self._shared_moment_updates(entries)
+        if self.second_moment in ("shared", "calibrated"):
+            compute = self._shared_moment_updates if self.second_moment == "shared" else self._calibrated_updates
+            updates = compute(entries)
             if updates is None:  # the gradients changed after synchronize() and some rank's are non-finite now
                 self.skipped_steps += 1
                 return None
@@ -240,9 +255,7 @@ class UpdateStep:
         first moment; None when some rank's gradient is non-finite (every rank returns None alike)."""
         block = self.config.second_moment_block
         layout = moments_layout([p.numel() for _, p in entries], block)
-        hyper = {id(group): shared_moment_hyperparameters(self.class_name, group)
-                 for group in self.optimizer.param_groups}  # once per group and step: no per-tensor host reads
-        group_of = {id(p): id(group) for group in self.optimizer.param_groups for p in group["params"]}
+        hyper, group_of = self._hyperparameters()
         device = entries[0][1].device if entries else torch.device("cpu")
         squares = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         for (offset, count), (_, p) in zip(layout.spans, entries):
@@ -270,6 +283,76 @@ class UpdateStep:
                 decoupled=decoupled, block=block,
             ))
         return updates
+
+    def _hyperparameters(self) -> Tuple[Dict[int, Tuple[float, float, float, float, float, bool]], Dict[int, int]]:
+        """Each parameter group's (lr, beta1, beta2, eps, weight_decay, decoupled), read once per step (no
+        per-tensor host reads), and the group of each parameter (by id)."""
+        hyper = {id(group): shared_moment_hyperparameters(self.class_name, group, self.second_moment)
+                 for group in self.optimizer.param_groups}
+        group_of = {id(p): id(group) for group in self.optimizer.param_groups for p in group["params"]}
+        return hyper, group_of
+
+    def _calibrated_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> Optional[List[torch.Tensor]]:
+        """Each parameter's Adam/AdamW update from this rank's own moments, its second moment fed the squared
+        gradient times the tensor's noise share (core.update_mode: one allreduce of every tensor's sketch and
+        squared norm); None when some rank's gradient is non-finite (every rank returns None alike)."""
+        layout = sketch_layout(len(entries), self.config.second_moment_sketch)
+        hyper, group_of = self._hyperparameters()
+        device = entries[0][1].device if entries else torch.device("cpu")
+        contributions = torch.zeros(layout.tensors, layout.width + 1, dtype=torch.float32, device=device)
+        # The signs' step: the optimizer's step about to be taken, the same on every rank and in a checkpoint
+        # (broadcast at start, moved alike), so a resumed job draws the signs the uninterrupted one would.
+        step = int(self._own_state(*entries[0])["step"]) + 1 if entries else 0
+        gradients = []
+        for position, (name, p) in enumerate(entries):
+            _, _, _, _, weight_decay, decoupled = hyper[group_of[id(p)]]
+            gradient = self._gradient(p)
+            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
+                gradient = gradient.add(p.detach(), alpha=weight_decay)
+            gradients.append(gradient)
+            update_rule.sketch_into(contributions[position], gradient.to(device), sketch_salt(step, position))
+        summed = self._allreduce_sum(contributions.view(-1), NOISE_SHARE_NAME)
+        self._count_bytes(entries, [4 * (layout.width + 1)] * len(entries))
+        if not bool(torch.isfinite(summed).all()):  # a NaN/Inf gradient entry anywhere makes its sketch non-finite
+            return None
+        shares = update_rule.noise_shares(summed.view(layout.tensors, layout.width + 1), self._process_set().size())
+        updates = []
+        for position, ((name, p), gradient) in enumerate(zip(entries, gradients)):
+            lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
+            state = self._own_state(name, p)
+            state["step"] += 1
+            squared = gradient.float().square().mul_(shares[position].to(p.device))
+            update_rule.update_second_moment(state["exp_avg_sq"], squared, beta2)
+            updates.append(update_rule.adam_update(
+                p.detach(), gradient, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), lr=lr, beta1=beta1,
+                beta2=beta2, eps=eps, weight_decay=weight_decay if decoupled else 0.0, decoupled=decoupled,
+            ))
+        return updates
+
+    def _own_state(self, name: str, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
+        """This rank's own Adam state of ``p`` under the calibrated second moment, in Adam's keys (the step as a
+        float32 host tensor, the moments in float32 shaped as ``p``): created on first use, or continued from an
+        Adam/AdamW state (a gradient-mode or "local" checkpoint: the same quantities), cast to float32."""
+        state = self.optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        elif set(state) != _ADAM_KEYS:
+            raise ValueError(
+                f"horovod-topk: the optimizer's state of {name!r} holds {sorted(state)}, not Adam's; the calibrated "
+                f"second moment starts from a fresh optimizer state or an Adam/AdamW state (of gradient mode, "
+                f"second_moment='local' or its own).")
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = state[key]
+            if value.shape != p.shape:
+                raise ValueError(f"horovod-topk: the optimizer's {key} of {name!r} is shaped {tuple(value.shape)}, "
+                                 f"the parameter {tuple(p.shape)} (a state of another model?)")
+            if value.dtype != torch.float32 or value.device != p.device:
+                state[key] = value.to(device=p.device, dtype=torch.float32)
+        if not torch.is_tensor(state["step"]) or state["step"].device.type != "cpu":  # fused Adam: on the device
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().clone()
+        return state
 
     def _shared_state(self, name: str, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
         """What every rank holds alike, in the optimizer's state of ``p`` (so the usual rank-0 optimizer checkpoint
@@ -311,22 +394,25 @@ class UpdateStep:
 
     def _keep_float32_state_on_load(self) -> None:
         """torch's Optimizer.load_state_dict casts every state tensor but ``step`` to its parameter's dtype: a
-        float16/bfloat16 model would get a half-precision shared second moment (in bfloat16 ``v * 0.999 == v``).
-        The load's pre-hook keeps the incoming float32 values, its post-hook puts them back."""
-        kept: Dict[int, torch.Tensor] = {}
+        float16/bfloat16 model would get half-precision moments (in bfloat16 ``v * 0.999 == v``). The load's
+        pre-hook keeps the incoming float32 values of the computed second moment's keys, its post-hook puts them
+        back."""
+        keys = _FLOAT32_KEYS.get(self.second_moment, ())
+        kept: Dict[Tuple[int, str], torch.Tensor] = {}
 
         def keep(optimizer: Any, state_dict: Dict[str, Any]) -> None:
             kept.clear()
             for index, values in state_dict.get("state", {}).items():
-                value = values.get("shared_exp_avg_sq") if isinstance(values, dict) else None
-                if torch.is_tensor(value):
-                    kept[index] = value.float().clone()
+                for key in keys:
+                    value = values.get(key) if isinstance(values, dict) else None
+                    if torch.is_tensor(value):
+                        kept[index, key] = value.float().clone()
 
         def restore(optimizer: Any) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            for index, value in kept.items():
-                if index < len(params) and "shared_exp_avg_sq" in optimizer.state[params[index]]:
-                    optimizer.state[params[index]]["shared_exp_avg_sq"] = value.to(params[index].device)
+            for (index, key), value in kept.items():
+                if index < len(params) and key in optimizer.state[params[index]]:
+                    optimizer.state[params[index]][key] = value.to(params[index].device)
             kept.clear()
 
         self.optimizer.register_load_state_dict_pre_hook(keep)

@@ -24,7 +24,11 @@ import torch
 from ..core.update_mode import block_count
 
 __all__ = ["block_means", "block_mean_squares", "expand_blocks", "scale_by_blocks", "block_count", "adam_update",
-           "update_second_moment"]
+           "update_second_moment", "row_signs", "sketch_into", "noise_shares"]
+
+#: Odd 31-bit multipliers of the rows' sign hash (row_signs): products with 31-bit values stay inside int64.
+_HASH_MULTIPLIERS = (0x5BD1E995 & 0x7FFFFFFF, 0x27D4EB2F, 0x165667B1)
+_MASK31 = 2**31 - 1
 
 
 def _split(flat: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -119,3 +123,51 @@ def adam_update(
 def update_second_moment(exp_avg_sq: torch.Tensor, signal: torch.Tensor, beta2: float) -> None:
     """``exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * signal`` in place (signal: the ranks' shared squares)."""
     exp_avg_sq.mul_(beta2).add_(signal, alpha=1.0 - beta2)
+
+
+def row_signs(rows: int, salt: int, device: torch.device) -> torch.Tensor:
+    """``rows`` signs (float32 +-1) drawn from ``salt`` (core.update_mode.sketch_salt) by an integer hash of the row
+    index, computed where the gradient lives: the same on every rank and every device (integer arithmetic in 31-bit
+    steps inside int64, exact everywhere), and no generator state to checkpoint or keep in step."""
+    x = torch.arange(rows, dtype=torch.int64, device=device)
+    x = (x * _HASH_MULTIPLIERS[0] + (salt & _MASK31)) & _MASK31
+    for multiplier in _HASH_MULTIPLIERS[1:]:
+        x = ((x ^ (x >> 15)) * multiplier) & _MASK31
+    x = x ^ (x >> 13)
+    return ((x >> 7) & 1).to(torch.float32).mul_(2.0).sub_(1.0)
+
+
+def sketch_into(out: torch.Tensor, grad: torch.Tensor, salt: int) -> None:
+    """Write one rank's contribution to a tensor's noise share into ``out`` (``width + 1`` float32 values): the
+    count sketch of ``grad`` (entry ``r * width + b`` into bucket ``b`` with row ``r``'s sign; one matrix-vector
+    product over the whole rows, the short last row on its own) and then ``||grad||**2``. A NaN/Inf entry makes
+    both non-finite: the caller decides what that means."""
+    width = out.numel() - 1
+    flat = grad.reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    whole = flat.numel() // width
+    tail = flat[whole * width:]
+    signs = row_signs(whole + (1 if tail.numel() else 0), salt, flat.device)
+    sketch = out[:width]
+    if whole:
+        torch.mv(flat[: whole * width].view(whole, width).t(), signs[:whole], out=sketch)
+    else:
+        sketch.zero_()
+    if tail.numel():
+        sketch[: tail.numel()].add_(tail * signs[-1])
+    out[width] = torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+
+
+def noise_shares(summed: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Each tensor's noise share from the ranks' summed contributions (a ``(tensors, width + 1)`` float32 tensor,
+    rows written by sketch_into and summed over ranks): ``||sum_r sketch_r||**2 / (P * sum_r ||g_r||**2)`` estimates
+    ``||mean_r g_r||**2 / mean_r ||g_r||**2``, clamped to [1/P, 1] -- the range of the true share unless the ranks'
+    gradients oppose each other, and the bound an estimate's spread must not cross (a share near 0 would make the
+    second moment vanish and the step explode). A tensor whose gradient is zero on every rank gets 1. On the
+    gradient's device, without a host sync."""
+    width = summed.shape[1] - 1
+    sketched = summed[:, :width].square().sum(dim=1)
+    norms = summed[:, width] * float(world_size)
+    share = torch.where(norms > 0, sketched / norms.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(norms))
+    return share.clamp_(1.0 / world_size, 1.0)

@@ -8,6 +8,8 @@ from horovod_topk.core.update_mode import (
     moments_layout,
     resolve_second_moment,
     shared_moment_hyperparameters,
+    sketch_layout,
+    sketch_salt,
     update_tensor_name,
     update_tensor_names,
 )
@@ -24,6 +26,10 @@ ADAM, ADAMW = "torch.optim.adam.Adam", "torch.optim.adamw.AdamW"
     ({"target": "update", "second_moment_block": True}, "second_moment_block must be a positive integer"),
     ({"second_moment": "shared"}, "apply to target='update' only"),
     ({"second_moment_block": 64}, "apply to target='update' only"),
+    ({"second_moment": "calibrated"}, "apply to target='update' only"),
+    ({"second_moment_sketch": 32}, "apply to target='update' only"),
+    ({"target": "update", "second_moment_sketch": 0}, "second_moment_sketch must be a positive integer"),
+    ({"target": "update", "second_moment_sketch": 1.5}, "second_moment_sketch must be a positive integer"),
     ({"target": "update", "momentum": 0.9}, "momentum"),
     ({"target": "update", "spike_guard": 10.0}, "spike_guard"),
 ])
@@ -75,6 +81,22 @@ def test_the_agreement_covers_the_mode_and_the_second_moment():
     assert "second_moment (rank 0: 'shared', rank 1: 'local')" in mismatch_message("w", [row(update), row(local)])
     blocks = TopKConfig(target="update", second_moment_block=64)
     assert "second_moment_block (rank 0: 256, rank 1: 64)" in mismatch_message("w", [row(update), row(blocks)])
+    calibrated = TopKConfig(target="update", second_moment="calibrated")
+    wider = TopKConfig(target="update", second_moment="calibrated", second_moment_sketch=128)
+    assert "second_moment (rank 0: 'local', rank 1: 'calibrated')" in mismatch_message("w", [row(local), row(calibrated)])
+    assert "second_moment_sketch (rank 0: 64, rank 1: 128)" in mismatch_message("w", [row(calibrated), row(wider)])
+
+
+def test_the_sketch_layout_and_salts_are_the_same_on_every_rank_and_differ_per_step_and_tensor():
+    layout = sketch_layout(tensors=3, width=64)
+    assert layout.numel == 3 * 65
+    assert [layout.rows(n) for n in (0, 1, 64, 65, 6400)] == [1, 1, 1, 2, 100]
+    with pytest.raises(ValueError, match="at least one bucket"):
+        sketch_layout(3, 0)
+    salts = {sketch_salt(step, position) for step in range(200) for position in range(50)}
+    assert len(salts) == 200 * 50  # no two (step, tensor) pairs share their signs
+    assert all(0 <= s < 2**31 for s in salts)
+    assert sketch_salt(7, 3) == 638656911  # pinned: a resumed job draws the signs the saved one would have
 
 
 def test_the_shared_second_moment_is_checked_against_the_optimizer():
@@ -86,6 +108,9 @@ def test_the_shared_second_moment_is_checked_against_the_optimizer():
         resolve_second_moment("shared", ADAM, [dict(adam[0], amsgrad=True)])
     with pytest.raises(ValueError, match="Lion"):
         resolve_second_moment("shared", "Lion", [{"lr": 0.1}])
+    assert resolve_second_moment("calibrated", ADAMW, adam) == "calibrated"
+    with pytest.raises(ValueError, match="second_moment='calibrated'.*SGD"):
+        resolve_second_moment("calibrated", "torch.optim.sgd.SGD", [{"lr": 0.1}])
 
 
 def test_update_tensor_names_keep_repeated_names_apart_with_valid_op_name_characters():

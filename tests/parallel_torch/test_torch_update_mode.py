@@ -159,9 +159,13 @@ def _residual(compressor: TopKEF, name: str, numel: int) -> torch.Tensor:
     return record.residual.double().clone()
 
 
-@pytest.mark.parametrize("case", ["float16", "bfloat16", "compact", "sparse_allreduce", "local_adamw", "clip"])
+@pytest.mark.parametrize("case", ["float16", "bfloat16", "compact", "sparse_allreduce", "local_adamw", "clip",
+                                  "calibrated", "calibrated_bfloat16"])
 def test_parameters_stay_bit_identical_on_every_rank(case):
     options = dict(ratio=0.05, target="update", second_moment="shared")
+    if case.startswith("calibrated"):
+        options.update(second_moment="calibrated")
+        case = case.replace("calibrated", "").lstrip("_") or "calibrated"
     kwargs: dict = {"optimizer_factory": ADAMW, "steps": 5}
     if case in ("float16", "bfloat16"):
         kwargs["dtype"] = getattr(torch, case)
@@ -181,7 +185,7 @@ def test_parameters_stay_bit_identical_on_every_rank(case):
     assert all(bool(torch.isfinite(v).all()) for v in ours.values())
 
 
-@pytest.mark.parametrize("second_moment", ["shared", "local"])
+@pytest.mark.parametrize("second_moment", ["shared", "local", "calibrated"])
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(second_moment):
     torch.manual_seed(0)
     model = Net()
@@ -244,16 +248,19 @@ def test_amp_grad_scaler_skips_the_same_step_on_every_rank():
     assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
 
 
+@pytest.mark.parametrize("second_moment", ["shared", "calibrated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_checkpoint_resumes_exactly(dtype):
+def test_checkpoint_resumes_exactly(dtype, second_moment):
     """Each rank saves its own model, optimizer state and TopKEF state (its residuals and first moments); a new
     model/optimizer/compressor loading them continues bit for bit as the uninterrupted run -- bfloat16 parameters
-    too (the shared second moment stays float32 through the optimizer's load)."""
+    too (the computed second moment's state stays float32 through the optimizer's load). The calibrated sketch's
+    signs follow the optimizer's step, so the resumed run draws the same ones."""
+    kept = {"shared": ("shared_exp_avg_sq",), "calibrated": ("exp_avg", "exp_avg_sq")}[second_moment]
 
     def run(steps: range, state=None):
         torch.manual_seed(0)
         model = Net().to(dtype)
-        compressor = TopKEF(ratio=0.05, target="update", second_moment="shared")
+        compressor = TopKEF(ratio=0.05, target="update", second_moment=second_moment)
         opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), compression=compressor)
         if state is not None:
@@ -266,7 +273,7 @@ def test_checkpoint_resumes_exactly(dtype):
             x, tokens, y = batch(step, dtype)
             nn.functional.cross_entropy(model(x, tokens, step % 2 == 0).float(), y).backward()
             opt.step()
-            assert all(s["shared_exp_avg_sq"].dtype == torch.float32 for s in opt.state.values())
+            assert all(s[key].dtype == torch.float32 for s in opt.state.values() for key in kept)
             if step == 1:
                 import copy
 
