@@ -39,7 +39,7 @@ TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
 EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.01-sparse_allreduce",
-                 "update0.01", "update-shared0.01", "update-compact0.025", "topk0.03", "topk0.1"]
+                 "update0.01", "update-shared0.01", "update-calibrated0.01", "update-compact0.025", "topk0.03", "topk0.1"]
 
 
 #: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
@@ -73,9 +73,10 @@ def compression_for(method: str, warmup_steps: int):
         # the two exchanges forced (exchange="auto" weighs bytes and collectives: docs/how-it-works.md, "Exchanges")
         "topk0.01-allgather": TopKEF(ratio=0.01, exchange="allgather"),
         # update mode: each rank's optimizer update travels (each rank's own optimizer; or Adam/AdamW under the
-        # shared block second moment), at the bytes of topk0.01 and compact0.025
+        # shared block second moment, or the calibrated one), at the bytes of topk0.01 and compact0.025
         "update0.01": TopKEF(ratio=0.01, target="update"),
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
+        "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated"),
         "update-compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8", target="update"),
         "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce"),
         "topk0.03": TopKEF(ratio=0.03),

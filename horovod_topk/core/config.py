@@ -33,7 +33,9 @@ TARGETS = ("gradient", "update")
 #: same on every rank; "calibrated" -- each rank's own per entry, fed its squared gradient times the tensor's share of
 #: it that survives averaging over ranks (both Adam/AdamW computed by horovod-topk from the user's optimizer's
 #: hyperparameters; core.update_mode says why).
-SECOND_MOMENTS = ("local", "shared", "calibrated")
+SECOND_MOMENTS = ("local", "shared", "calibrated", "auto")
+#: "auto": "calibrated" where horovod-topk can compute the optimizer's step (torch's Adam/AdamW), "local" elsewhere.
+DEFAULT_SECOND_MOMENT = "local"
 
 #: ratio="auto": the density chosen from the job's own measurements (core.autodensity).
 AUTO = "auto"
@@ -151,7 +153,7 @@ class TopKConfig:
     log_every: int = 0
     collective_latency_bytes: int = COLLECTIVE_LATENCY_BYTES
     target: str = "gradient"
-    second_moment: str = "local"
+    second_moment: str = DEFAULT_SECOND_MOMENT
     second_moment_block: int = DEFAULT_SECOND_MOMENT_BLOCK
     second_moment_sketch: int = DEFAULT_SECOND_MOMENT_SKETCH
     budget: Optional[float] = None
@@ -215,7 +217,7 @@ class TopKConfig:
         if (isinstance(self.second_moment_sketch, bool) or not isinstance(self.second_moment_sketch, int)
                 or self.second_moment_sketch < 1):
             raise ValueError(f"second_moment_sketch must be a positive integer, got {self.second_moment_sketch!r}")
-        if self.target == "gradient" and (self.second_moment != "local"
+        if self.target == "gradient" and (self.second_moment != DEFAULT_SECOND_MOMENT
                                           or self.second_moment_block != DEFAULT_SECOND_MOMENT_BLOCK
                                           or self.second_moment_sketch != DEFAULT_SECOND_MOMENT_SKETCH):
             raise ValueError("second_moment, second_moment_block and second_moment_sketch apply to target='update' "

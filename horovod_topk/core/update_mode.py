@@ -189,7 +189,15 @@ def shared_moment_hyperparameters(
 def resolve_second_moment(setting: str, class_name: str, groups: Sequence[Dict[str, object]]) -> str:
     """TopKConfig.second_moment for the user's optimizer: "local" as it is; "shared" and "calibrated" after checking
     that horovod-topk can compute the optimizer's step (torch's Adam/AdamW without amsgrad, maximize or
-    differentiable), refusing by name what it cannot."""
+    differentiable), refusing by name what it cannot; "auto": "calibrated" where it can, "local" elsewhere (an
+    optimizer it cannot compute still trains, with each rank's own second moment)."""
+    if setting == "auto":
+        try:
+            for group in groups:
+                shared_moment_hyperparameters(class_name, group, "calibrated")
+        except ValueError:
+            return "local"
+        return "calibrated"
     if setting in COMPUTED_SECOND_MOMENTS:
         for group in groups:
             shared_moment_hyperparameters(class_name, group, setting)

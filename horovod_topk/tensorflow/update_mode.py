@@ -40,7 +40,7 @@ SUM_REFUSAL = ("horovod-topk: TopKEF(target='update') averages the ranks' optimi
 
 def _refuse(compressor: Any, op: Any, backward_passes_per_step: int, average: Any) -> None:
     """What update mode cannot do with a Keras optimizer, refused by name before training."""
-    if compressor.config.second_moment != "local":
+    if compressor.config.second_moment not in ("local", "auto"):  # "auto" is "local" with Keras
         raise ValueError(f"horovod-topk: TopKEF(target='update', second_moment={compressor.config.second_moment!r}) "
                          f"computes torch's Adam and is PyTorch's; with Keras use second_moment='local' (each rank "
                          f"steps its own optimizer)")

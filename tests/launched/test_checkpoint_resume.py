@@ -19,7 +19,8 @@ def _run(tmp_path, num_proc, start, stop, *, save=False, load=False, **options):
 
 @pytest.mark.parametrize("options", [{}, {"value_dtype": "float16", "warmup_steps": 4},
                                      {"exchange": "sparse_allreduce", "value_dtype": "float16"},
-                                     {"target": "update", "optimizer": "adamw", "second_moment": "shared"}])
+                                     {"target": "update", "optimizer": "adamw", "second_moment": "shared"},
+                                     {"target": "update", "optimizer": "adamw", "second_moment": "calibrated"}])
 def test_resume_in_new_processes_is_exact(tmp_path, options):
     straight = _run(tmp_path, 2, 0, 2 * STEPS, **options)
     _run(tmp_path, 2, 0, STEPS, save=True, **options)

@@ -122,6 +122,9 @@ def resume_run(path: str, start: int, stop: int, save: bool, load: bool, options
     base = (torch.optim.AdamW(model.parameters(), lr=0.01) if adamw
             else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compressor)
+    # update mode's "local" and "calibrated" second moments keep each rank's own optimizer state: saved per rank
+    own_optimizer = options.get("target") == "update" and options.get("second_moment") in ("local", "calibrated")
+    own_path = f"{path}.optimizer{hvd.rank()}"
     restored = {}
     if load:
         ckpt = torch.load(path) if hvd.rank() == 0 else None
@@ -130,7 +133,7 @@ def resume_run(path: str, start: int, stop: int, save: bool, load: bool, options
         model_state, opt_state = hvd.broadcast_object(None if ckpt is None else (ckpt["model"], ckpt["optimizer"]),
                                                       name="resume.model_and_optimizer")
         model.load_state_dict(model_state)
-        opt.load_state_dict(opt_state)
+        opt.load_state_dict(torch.load(own_path) if own_optimizer else opt_state)
         restore_state(compressor, None if ckpt is None else ckpt["topk"])
         restored = {name: rec.residual.tolist() for name, rec in compressor.registry if rec.residual is not None}
         restored.update({"first_moment." + name: rec.momentum.tolist() for name, rec in compressor.registry
@@ -141,6 +144,8 @@ def resume_run(path: str, start: int, stop: int, save: bool, load: bool, options
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     if save:
+        if own_optimizer:
+            torch.save(opt.state_dict(), own_path)
         topk = gather_state(compressor)
         if hvd.rank() == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "topk": topk,
