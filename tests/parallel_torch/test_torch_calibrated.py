@@ -1,11 +1,9 @@
 """Update mode's calibrated second moment (TopKEF(target="update", second_moment="calibrated")) on real Horovod
 workers: each rank's own Adam moments, its squared gradient scaled by the tensor's noise share (one allreduce of
 sketches). Checked here: the first step against an independent reference with the exact share, the error-feedback
-invariant from the state the step left, bit-identical parameters, the start-up broadcast, continuing from a
-gradient-mode Adam state, and the refusals. Non-finite skips, mixed precision and exact resume run in
+invariant from the state the step left, bit-identical parameters, continuing from a gradient-mode Adam state, and
+the refusals. Non-finite skips, mixed precision, the start-up broadcast and exact resume run in
 test_torch_update_mode.py, parametrized over the second moments."""
-from typing import Dict
-
 import horovod.torch as hvd
 import pytest
 import torch
@@ -13,8 +11,9 @@ from torch import nn
 
 from horovod_topk.torch import TopKEF
 
-from .test_torch_update_mode import FACTORIES, _residual, gathered, identical_across_ranks
-from .torch_harness import Net, batch, differs, train
+from .test_torch_update_mode import (FACTORIES, assert_error_feedback_invariant, first_step, gradient_mode_adam_state,
+                                     identical_across_ranks)
+from .torch_harness import Net, batch
 
 CALIBRATED = dict(target="update", second_moment="calibrated")
 
@@ -27,20 +26,13 @@ def test_first_step_matches_an_independent_reference_with_the_exact_share(factor
     joins the gradient: g_i + wd * p."""
     lr, eps = 0.01, 1e-8
     make, wd, decoupled = FACTORIES[factory]
-    grads: Dict[str, torch.Tensor] = {}
-
-    def capture(model: nn.Module) -> None:
-        for name, p in model.named_parameters():
-            grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-
-    initial = train(hvd.Compression.none, steps=0)
-    widest = max(p.numel() for p in initial.values())
-    ours = train(TopKEF(ratio=1.0, min_numel=0, dense_fallback=False, second_moment_sketch=widest, **CALIBRATED),
-                 steps=1, optimizer_factory=make, on_synchronized=capture)
+    widest = max(p.numel() for p in Net().parameters())
+    initial, ours, grads = first_step(
+        TopKEF(ratio=1.0, min_numel=0, dense_fallback=False, second_moment_sketch=widest, **CALIBRATED), make)
     world = hvd.size()
     shares = []
     for name, p0 in initial.items():
-        every = gathered(grads[name], "grad." + name).double()  # (ranks, *shape)
+        every = grads[name]  # (ranks, *shape)
         if not decoupled:
             every = every + wd * p0.double()
         total = every.square().sum()
@@ -55,35 +47,22 @@ def test_first_step_matches_an_independent_reference_with_the_exact_share(factor
 
 @pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
 def test_error_feedback_invariant_and_identical_parameters(exchange):
-    """Over all ranks, every step: sum of new residuals + P * applied == sum of (old residuals + local updates),
-    each rank's local update recomputed from the Adam state its step left (lr * m_hat / (sqrt(v_hat) + eps))."""
+    """Each rank's local update recomputed from the Adam state its step left: lr * m_hat / (sqrt(v_hat) + eps)."""
     lr, betas, eps = 0.01, (0.9, 0.999), 1e-8
     torch.manual_seed(0)
     model = Net()
     compressor = TopKEF(ratio=0.05, min_numel=0, dense_fallback=False, exchange=exchange, **CALIBRATED)
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr, betas=betas, eps=eps),
                                    named_parameters=model.named_parameters(), compression=compressor)
-    world = hvd.size()
-    for step in range(4):
-        opt.zero_grad()
-        x, tokens, y = batch(step)
-        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        old = {n: _residual(compressor, n, p.numel()) for n, p in before.items()}
-        opt.step()
-        for name, p in model.named_parameters():
-            state = opt.state[p]
-            assert int(state["step"]) == step + 1
-            m_hat = state["exp_avg"].double() / (1 - betas[0] ** (step + 1))
-            v_hat = state["exp_avg_sq"].double() / (1 - betas[1] ** (step + 1))
-            update = lr * m_hat / (v_hat.sqrt() + eps)
-            applied = (before[name] - p.detach()).double()
-            left = hvd.allreduce(_residual(compressor, name, p.numel()), op=hvd.Sum, name=f"test.cal.l.{step}.{name}")
-            right = hvd.allreduce(old[name] + update.reshape(-1), op=hvd.Sum, name=f"test.cal.r.{step}.{name}")
-            torch.testing.assert_close(left + world * applied.reshape(-1), right, rtol=1e-5, atol=world * 2**-21,
-                                       msg=lambda m: f"step {step}, {name}: {m}")
-    assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
-    assert compressor.stats()["residual_norm"] > 0  # ratio 0.05 left something behind
+
+    def local_update(name: str, p: torch.Tensor, before: torch.Tensor, step: int) -> torch.Tensor:
+        state = opt.state[p]
+        assert int(state["step"]) == step + 1
+        m_hat = state["exp_avg"].double() / (1 - betas[0] ** (step + 1))
+        v_hat = state["exp_avg_sq"].double() / (1 - betas[1] ** (step + 1))
+        return lr * m_hat / (v_hat.sqrt() + eps)
+
+    assert_error_feedback_invariant(model, opt, compressor, local_update)
     moments = {n: opt.state[p]["exp_avg_sq"] for n, p in model.named_parameters()}
     assert identical_across_ranks(moments, "own_moment") != []  # each rank's second moment is its own
 
@@ -118,37 +97,10 @@ def test_the_second_moment_is_smaller_than_the_ranks_own_by_the_noise_share():
     assert below >= 1
 
 
-def test_broadcast_optimizer_state_at_start_up_creates_adams_keys_at_step_0():
-    torch.manual_seed(hvd.rank())  # different initial weights: the broadcasts must make them equal
-    model = Net()
-    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=TopKEF(**CALIBRATED))
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
-    assert {tuple(sorted(s)) for s in opt.state.values()} == {("exp_avg", "exp_avg_sq", "step")}
-    assert all(float(s["step"]) == 0 and not bool(s["exp_avg_sq"].any()) for s in opt.state.values())
-    for step in range(3):
-        opt.zero_grad()
-        x, tokens, y = batch(step)
-        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
-        opt.step()
-    assert all(float(s["step"]) == 3 for s in opt.state.values())
-    assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
-
-
 def test_a_gradient_mode_adam_state_is_continued():
     """A gradient-mode Adam checkpoint loaded on rank 0 and broadcast: the calibrated second moment continues from
     Adam's own moments and step (the same keys), then each rank's moments move on their own."""
-    torch.manual_seed(0)
-    model = Net()
-    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=TopKEF(ratio=0.05))
-    for step in range(2):
-        opt.zero_grad()
-        x, tokens, y = batch(step)
-        nn.functional.cross_entropy(model(x, tokens, True), y).backward()
-        opt.step()
-    saved = opt.state_dict()
+    saved = gradient_mode_adam_state()
     model = Net()
     update = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                       named_parameters=model.named_parameters(), compression=TopKEF(**CALIBRATED))

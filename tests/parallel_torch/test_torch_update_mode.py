@@ -3,7 +3,7 @@ updates travel. Checked here: parity with plain Horovod where the two must agree
 under the shared second moment against an independent one-step reference, the error-feedback invariant over all
 ranks, bit-identical parameters on every rank, non-finite gradients on one rank (with and without AMP's
 GradScaler), exact resume from a checkpoint, and what is refused."""
-from typing import Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import horovod.torch as hvd
 import pytest
@@ -82,6 +82,22 @@ FACTORIES = {
 }
 
 
+def first_step(compressor: TopKEF, optimizer_factory: Callable
+               ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """One step of Net from its initial parameters: (the initial parameters, the parameters after the step, every
+    rank's gradient per parameter as the step saw it, stacked in rank order, float64)."""
+    grads: Dict[str, torch.Tensor] = {}
+
+    def capture(model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+
+    initial = train(hvd.Compression.none, steps=0)
+    after = train(compressor, steps=1, optimizer_factory=optimizer_factory, on_synchronized=capture)
+    every = {name: gathered(grads[name], "grad." + name).double() for name in sorted(initial)}
+    return initial, after, every
+
+
 @pytest.mark.parametrize("block", [1, 4, 256])
 @pytest.mark.parametrize("factory", list(FACTORIES))
 def test_shared_second_moment_first_step_matches_an_independent_reference(block, factory):
@@ -90,17 +106,9 @@ def test_shared_second_moment_first_step_matches_an_independent_reference(block,
     decay lr * wd * p). Adam's L2 decay joins the gradient, in both moments: g_i + wd * p."""
     lr, eps = 0.01, 1e-8
     make, wd, decoupled = FACTORIES[factory]
-    grads: Dict[str, torch.Tensor] = {}
-
-    def capture(model: nn.Module) -> None:
-        for name, p in model.named_parameters():
-            grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-
-    initial = train(hvd.Compression.none, steps=0)
-    ours = train(TopKEF(**EVERYTHING, second_moment="shared", second_moment_block=block), steps=1, optimizer_factory=make,
-                 on_synchronized=capture)
+    initial, ours, grads = first_step(TopKEF(**EVERYTHING, second_moment="shared", second_moment_block=block), make)
     for name, p0 in initial.items():
-        every = gathered(grads[name], "grad." + name).double()  # (ranks, *shape)
+        every = grads[name]
         if not decoupled:
             every = every + wd * p0.double()
         mean_grad = every.mean(0).reshape(-1)
@@ -121,18 +129,14 @@ def _adam_local_update(state: dict, first_moment: torch.Tensor, before: torch.Te
     return lr * m_hat / ((v / (1 - betas[1] ** step)).sqrt() + eps)
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
-def test_error_feedback_invariant_and_identical_parameters_with_adam(exchange):
-    """Over all ranks, every step: sum of new residuals + P * applied == sum of (old residuals + local updates)."""
-    lr, betas, eps, block = 0.01, (0.9, 0.999), 1e-8, 16
-    torch.manual_seed(0)
-    model = Net()
-    compressor = TopKEF(ratio=0.05, min_numel=0, dense_fallback=False, target="update", exchange=exchange,
-                        second_moment="shared", second_moment_block=block)
-    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr, betas=betas, eps=eps),
-                                   named_parameters=model.named_parameters(), compression=compressor)
+def assert_error_feedback_invariant(model: nn.Module, opt, compressor: TopKEF,
+                                    local_update: Callable[[str, torch.Tensor, torch.Tensor, int], torch.Tensor],
+                                    steps: int = 4) -> None:
+    """Over all ranks, every step: sum of new residuals + P * applied == sum of (old residuals + local updates),
+    each rank's local update recomputed by ``local_update(name, parameter, before, step)`` from the state the step
+    left; then every rank's parameters are bit-identical and something stayed behind in the residuals."""
     world = hvd.size()
-    for step in range(4):
+    for step in range(steps):
         opt.zero_grad()
         x, tokens, y = batch(step)
         nn.functional.cross_entropy(model(x, tokens, True), y).backward()
@@ -140,8 +144,7 @@ def test_error_feedback_invariant_and_identical_parameters_with_adam(exchange):
         old = {n: _residual(compressor, n, p.numel()) for n, p in before.items()}
         opt.step()
         for name, p in model.named_parameters():
-            first_moment = compressor.registry.records[update_tensor_name(name)].momentum
-            update = _adam_local_update(opt.state[p], first_moment, before[name], lr, betas, eps, block)
+            update = local_update(name, p, before[name], step)
             applied = (before[name] - p.detach()).double()
             left = hvd.allreduce(_residual(compressor, name, p.numel()), op=hvd.Sum, name=f"test.inv.l.{step}.{name}")
             right = hvd.allreduce(old[name] + update.reshape(-1), op=hvd.Sum, name=f"test.inv.r.{step}.{name}")
@@ -149,7 +152,24 @@ def test_error_feedback_invariant_and_identical_parameters_with_adam(exchange):
             torch.testing.assert_close(left + world * applied.reshape(-1), right, rtol=1e-5, atol=world * 2**-21,
                                        msg=lambda m: f"step {step}, {name}: {m}")
     assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
-    assert compressor.stats()["residual_norm"] > 0  # ratio 0.05 left something behind
+    assert compressor.stats()["residual_norm"] > 0  # a ratio below 1 left something behind
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_error_feedback_invariant_and_identical_parameters_with_adam(exchange):
+    lr, betas, eps, block = 0.01, (0.9, 0.999), 1e-8, 16
+    torch.manual_seed(0)
+    model = Net()
+    compressor = TopKEF(ratio=0.05, min_numel=0, dense_fallback=False, target="update", exchange=exchange,
+                        second_moment="shared", second_moment_block=block)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr, betas=betas, eps=eps),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+
+    def local_update(name: str, p: torch.Tensor, before: torch.Tensor, step: int) -> torch.Tensor:
+        first_moment = compressor.registry.records[update_tensor_name(name)].momentum
+        return _adam_local_update(opt.state[p], first_moment, before, lr, betas, eps, block)
+
+    assert_error_feedback_invariant(model, opt, compressor, local_update)
 
 
 def _residual(compressor: TopKEF, name: str, numel: int) -> torch.Tensor:
@@ -304,17 +324,19 @@ def test_the_second_moment_is_each_ranks_own_unless_shared_is_asked_where_it_can
         mode(torch.optim.Adam(params, lr=0.1, amsgrad=True), second_moment="shared")
 
 
-def test_broadcast_optimizer_state_at_start_up_creates_update_modes_state():
-    """The usual Horovod start-up broadcast: update mode's keys on every rank (not Adam's, from a step on zero
-    gradients), then training keeps every rank's parameters identical."""
+@pytest.mark.parametrize("second_moment, keys", [("shared", ("shared_exp_avg_sq", "step")),
+                                                  ("calibrated", ("exp_avg", "exp_avg_sq", "step"))])
+def test_broadcast_optimizer_state_at_start_up_creates_update_modes_state(second_moment, keys):
+    """The usual Horovod start-up broadcast: update mode's keys at step 0 on every rank (not Adam's after a step on
+    zero gradients), then training keeps every rank's parameters identical."""
     torch.manual_seed(hvd.rank())  # different initial weights: the broadcasts must make them equal
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(),
-                                   compression=TopKEF(target="update", second_moment="shared"))
+                                   compression=TopKEF(target="update", second_moment=second_moment))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    assert {tuple(sorted(s)) for s in opt.state.values()} == {("shared_exp_avg_sq", "step")}
+    assert {tuple(sorted(s)) for s in opt.state.values()} == {keys}
     assert all(float(s["step"]) == 0 for s in opt.state.values())
     for step in range(3):
         opt.zero_grad()
@@ -344,19 +366,24 @@ def test_a_scheduler_on_the_distributed_optimizer_drives_the_shared_step():
     assert moved == [True, False, False]  # everything is sent at ratio 1; from the second step on lr is 0
 
 
-def test_a_gradient_mode_adam_state_loaded_on_rank_0_is_adopted_by_every_rank():
-    """The usual resume: rank 0 loads, broadcast_optimizer_state sends; Adam's second moment becomes the shared
-    one (per block), its first moment every rank's."""
+def gradient_mode_adam_state(steps: int = 2) -> dict:
+    """The optimizer state_dict of Adam after ``steps`` steps of gradient mode (the same on every rank)."""
     torch.manual_seed(0)
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), compression=TopKEF(ratio=0.05))
-    for step in range(2):
+    for step in range(steps):
         opt.zero_grad()
         x, tokens, y = batch(step)
         nn.functional.cross_entropy(model(x, tokens, True), y).backward()
         opt.step()
-    saved = opt.state_dict()
+    return opt.state_dict()
+
+
+def test_a_gradient_mode_adam_state_loaded_on_rank_0_is_adopted_by_every_rank():
+    """The usual resume: rank 0 loads, broadcast_optimizer_state sends; Adam's second moment becomes the shared
+    one (per block), its first moment every rank's."""
+    saved = gradient_mode_adam_state()
     model = Net()  # a new job's model (the old optimizer's hooks stay on the old one)
     compressor = TopKEF(ratio=0.05, target="update", second_moment="shared", second_moment_block=4)
     update = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
