@@ -83,7 +83,7 @@ def compression_for(method: str):
     if method == "auto":  # ratio="auto" with its defaults (budget 0.1)
         return TopKEF(ratio="auto")
     if method.startswith("update"):  # update mode: each rank's own optimizer steps, its update travels
-        return TopKEF(ratio=float(method[len("update"):]), target="update")
+        return TopKEF(ratio=float(method[len("update"):]), target="update", second_moment="local")
     ratio, _, exchange = method[len("topk"):].partition("-")
     return TopKEF(ratio=float(ratio), exchange=exchange or "auto")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["dense", "gradient0.01", "update0.01", "update-shared0.01"]
+METHODS = ["dense", "gradient0.01", "update0.01", "update-shared0.01", "update-calibrated0.01"]
 
 
 def worker(method: str, width: int, steps: int, warmup: int) -> None:
@@ -44,7 +44,8 @@ def worker(method: str, width: int, steps: int, warmup: int) -> None:
     compression = {
         "dense": hvd.Compression.none,
         "gradient0.01": TopKEF(ratio=0.01),
-        "update0.01": TopKEF(ratio=0.01, target="update"),  # each rank's own AdamW
+        "update0.01": TopKEF(ratio=0.01, target="update", second_moment="local"),  # each rank's own AdamW
+        "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated"),
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
     }[method]
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),

@@ -74,10 +74,11 @@ def compression_for(method: str, warmup_steps: int):
         "topk0.01-allgather": TopKEF(ratio=0.01, exchange="allgather"),
         # update mode: each rank's optimizer update travels (each rank's own optimizer; or Adam/AdamW under the
         # shared block second moment, or the calibrated one), at the bytes of topk0.01 and compact0.025
-        "update0.01": TopKEF(ratio=0.01, target="update"),
+        "update0.01": TopKEF(ratio=0.01, target="update", second_moment="local"),
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
         "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated"),
-        "update-compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8", target="update"),
+        "update-compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8", target="update",
+                                      second_moment="local"),
         "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce"),
         "topk0.03": TopKEF(ratio=0.03),
         "topk0.1": TopKEF(ratio=0.1),

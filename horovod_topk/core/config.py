@@ -35,7 +35,7 @@ TARGETS = ("gradient", "update")
 #: hyperparameters; core.update_mode says why).
 SECOND_MOMENTS = ("local", "shared", "calibrated", "auto")
 #: "auto": "calibrated" where horovod-topk can compute the optimizer's step (torch's Adam/AdamW), "local" elsewhere.
-DEFAULT_SECOND_MOMENT = "local"
+DEFAULT_SECOND_MOMENT = "auto"
 
 #: ratio="auto": the density chosen from the job's own measurements (core.autodensity).
 AUTO = "auto"
@@ -111,18 +111,18 @@ class TopKConfig:
             after; every rank then applies the average of the applied updates, bit-identical on every rank. For
             Adam-family optimizers, which normalise each coordinate: a coordinate sent once every L steps as a
             gradient moves ~sqrt(L) steps' worth under Adam, as an update L (core.update_mode).
-        second_moment (str): with target="update": "local" (default) -- each rank steps its own optimizer,
-            whatever it is (exact for optimizers linear in the gradient, SGD with or without momentum). "shared" --
-            Adam/AdamW's step computed by horovod-topk from the optimizer's own hyperparameters, schedule and state,
-            with one second moment per block of ``second_moment_block`` entries, the mean of every rank's squared
-            gradient, the same on every rank (one small allreduce per step): the averaged update is then Adam's on
-            the averaged first moment. It keeps a third less optimizer state and steps faster; in the measured
-            screens it did not converge better than "local" (docs/update-mode.md), so it is not the default.
-            "calibrated" -- Adam/AdamW's step computed by horovod-topk with each rank's own per-entry moments, its
-            squared gradient scaled by the share of the tensor's gradient that survives averaging over ranks
-            (estimated each step from a sketch of ``second_moment_sketch`` floats per tensor, one small allreduce):
-            each rank's own second moment otherwise holds its own batch noise, which the averaged gradient does
-            not, and its steps come out up to sqrt(P) too short (core.update_mode).
+        second_moment (str): with target="update", where each rank's Adam second moment comes from. "auto"
+            (default): "calibrated" for torch's Adam/AdamW (without amsgrad, maximize, differentiable), "local"
+            for every other optimizer and with Keras. "calibrated" -- Adam/AdamW's step computed by horovod-topk
+            from the optimizer's own hyperparameters, schedule and state (Adam's keys, each rank's own), its squared
+            gradient scaled by the share of the tensor's gradient that survives averaging over ranks (estimated
+            each step from a sketch of ``second_moment_sketch`` floats per tensor, one small allreduce): a rank's
+            own second moment otherwise holds its own batch noise, which the averaged gradient does not, and its
+            steps come out up to sqrt(P) too short (core.update_mode; docs/update-mode.md has the measurements).
+            "local" -- each rank steps its own optimizer, whatever it is (exact for optimizers linear in the
+            gradient, SGD with or without momentum). "shared" -- Adam/AdamW's step with one second moment per block
+            of ``second_moment_block`` entries, the mean of every rank's squared gradient, the same on every rank:
+            less optimizer state, but it trained no better than "local" in the measured screens.
         second_moment_block (int): entries per shared second-moment value (target="update", second_moment="shared");
             the allreduce carries 4 bytes per block. Default 256 (0.4% of a dense float32 allreduce).
         second_moment_sketch (int): buckets of the sketch per tensor (target="update", second_moment="calibrated");

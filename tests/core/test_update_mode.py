@@ -21,7 +21,7 @@ ADAM, ADAMW = "torch.optim.adam.Adam", "torch.optim.adamw.AdamW"
 @pytest.mark.parametrize("options, fragment", [
     ({"target": "updates"}, "target must be one of"),
     ({"target": "update", "second_moment": "global"}, "second_moment must be one of"),
-    ({"target": "update", "second_moment": "auto"}, "second_moment must be one of"),
+    ({"target": "update", "second_moment": "calibrate"}, "second_moment must be one of"),
     ({"target": "update", "second_moment_block": 0}, "second_moment_block must be a positive integer"),
     ({"target": "update", "second_moment_block": True}, "second_moment_block must be a positive integer"),
     ({"second_moment": "shared"}, "apply to target='update' only"),
@@ -109,6 +109,10 @@ def test_the_shared_second_moment_is_checked_against_the_optimizer():
     with pytest.raises(ValueError, match="Lion"):
         resolve_second_moment("shared", "Lion", [{"lr": 0.1}])
     assert resolve_second_moment("calibrated", ADAMW, adam) == "calibrated"
+    assert resolve_second_moment("auto", ADAMW, adam) == "calibrated"
+    assert resolve_second_moment("auto", ADAM, [dict(adam[0], amsgrad=True)]) == "local"  # trains, as the user's own
+    assert resolve_second_moment("auto", "torch.optim.sgd.SGD", [{"lr": 0.1}]) == "local"
+    assert TopKConfig(target="update").second_moment == "auto"
     with pytest.raises(ValueError, match="second_moment='calibrated'.*SGD"):
         resolve_second_moment("calibrated", "torch.optim.sgd.SGD", [{"lr": 0.1}])
 

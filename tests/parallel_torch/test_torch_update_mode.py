@@ -306,7 +306,7 @@ def test_checkpoint_resumes_exactly(dtype, second_moment):
     assert differs(straight, resumed) == []
 
 
-def test_the_second_moment_is_each_ranks_own_unless_shared_is_asked_where_it_can_be_computed():
+def test_the_second_moment_is_calibrated_where_it_can_be_computed_and_each_ranks_own_elsewhere():
     model = Net()
 
     def mode(optimizer, **options):
@@ -315,13 +315,16 @@ def test_the_second_moment_is_each_ranks_own_unless_shared_is_asked_where_it_can
         return opt.topk_update_step.second_moment
 
     params = list(model.parameters())
-    assert mode(torch.optim.AdamW(params, lr=0.1)) == "local"
+    assert mode(torch.optim.AdamW(params, lr=0.1)) == "calibrated"  # the default, "auto"
+    assert mode(torch.optim.Adam(params, lr=0.1, weight_decay=0.1)) == "calibrated"
     assert mode(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == "local"
+    assert mode(torch.optim.Adam(params, lr=0.1, amsgrad=True)) == "local"  # not computed: the user's own optimizer
+    assert mode(torch.optim.AdamW(params, lr=0.1), second_moment="local") == "local"
     assert mode(torch.optim.AdamW(params, lr=0.1), second_moment="shared") == "shared"
     with pytest.raises(ValueError, match="SGD"):
         mode(torch.optim.SGD(params, lr=0.1), second_moment="shared")
     with pytest.raises(ValueError, match="amsgrad"):
-        mode(torch.optim.Adam(params, lr=0.1, amsgrad=True), second_moment="shared")
+        mode(torch.optim.Adam(params, lr=0.1, amsgrad=True), second_moment="calibrated")
 
 
 @pytest.mark.parametrize("second_moment, keys", [("shared", ("shared_exp_avg_sq", "step")),
