@@ -13,7 +13,8 @@ built from every rank's squared gradient, one value per block of entries, so its
 block`` floats (0.4% of a dense float32 allreduce for blocks of 256). Measured (docs/update-mode.md), that
 linearity is not what costs: a second moment made of the ranks' *own* squared gradients -- each rank's, or their
 mean, per entry or per block -- trains alike, and only one made from the square of the *averaged* gradient (a dense
-allreduce) trains better. So each rank's own optimizer (``second_moment="local"``) is the default.
+allreduce) trains better. What does cost is below, and the calibrated second moment that corrects it is the default
+for torch's Adam/AdamW (``second_moment="auto"``); every other optimizer steps as each rank's own (``"local"``).
 
 Why each rank's own second moment makes steps too short, and the calibrated one: a rank's squared gradient holds its
 own batch's noise, and averaging over P ranks removes (P - 1)/P of that noise from the gradient but not from the
