@@ -4,7 +4,8 @@ It starts on one host; at step JOIN_STEP it adds a second host to the discovery 
 KILL_STEP the worker on the added host dies abruptly (os._exit) once, between two commits (every COMMIT_EVERY
 steps), so the job rolls back and goes on with one worker. Every rank appends one JSON line per step to the log
 (and at each start and reset): world size, step counters, residual norms, parameter checksum. The exchange of
-compressed tensors comes from ELASTIC_JOB_EXCHANGE (default "auto"; "update": update mode with AdamW).
+compressed tensors comes from ELASTIC_JOB_EXCHANGE (default "auto"; "update": update mode with AdamW and the shared
+second moment; "update-calibrated": with the calibrated one).
 """
 import json
 import os
@@ -23,10 +24,12 @@ hosts_file, log_file, added_host = sys.argv[1:4]
 hvd.init()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
-# "update": update mode with AdamW (shared second moment in the optimizer's state, first moments with the residuals)
+# "update": update mode with AdamW (shared second moment in the optimizer's state, first moments with the residuals);
+# "update-calibrated": each rank's own Adam state in the optimizer (a joining worker gets rank 0's through the sync)
 MODE = os.environ.get("ELASTIC_JOB_EXCHANGE", "auto")
-if MODE == "update":
-    compressor = TopKEF(ratio=0.02, target="update", second_moment="shared")
+if MODE.startswith("update"):
+    compressor = TopKEF(ratio=0.02, target="update",
+                        second_moment="calibrated" if MODE == "update-calibrated" else "shared")
     base = torch.optim.AdamW(model.parameters(), lr=0.01)
 else:
     compressor = TopKEF(ratio=0.02, exchange=MODE)

@@ -7,10 +7,10 @@ import pytest
 from .launch import run_elastic_job
 
 
-@pytest.fixture(scope="module", params=["auto", "sparse_allreduce", "update"])
+@pytest.fixture(scope="module", params=["auto", "sparse_allreduce", "update", "update-calibrated"])
 def events(request, tmp_path_factory):
     """The same job with each exchange: "auto" (the allgather at these sizes) and the sparse allreduce forced; and
-    in update mode (AdamW, the allgather)."""
+    in update mode (AdamW, the allgather), with the shared and the calibrated second moment."""
     events = run_elastic_job("elastic_job.py", tmp_path_factory.mktemp("elastic"), timeout=300,
                              env={"ELASTIC_JOB_EXCHANGE": request.param})
     on_two = [e["exchanges"] for e in events if e["event"] == "step" and e["size"] == 2]
