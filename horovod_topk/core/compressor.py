@@ -174,7 +174,10 @@ class CompressorState(abc.ABC, Generic[R]):
         ``nonfinite_steps`` how many (tensor, step) pairs had a NaN/Inf gradient here (sent as such, residual kept);
         ``guarded_steps`` how many had their gradient capped by TopKConfig.spike_guard; ``compress_seconds`` the
         host time spent compressing (since start or load; on a GPU, launching); ``exchanges`` how many tensors
-        each exchange carried on their last compressed step (what ``exchange="auto"`` chose).
+        each exchange carried on their last compressed step (what ``exchange="auto"`` chose); with update mode's
+        calibrated second moment, ``noise_share``: the tensors' last noise shares (their mean weighted by size, min
+        and max: near 1/P the gradients are mostly noise at this scale, and each rank's own second moment would
+        have made its steps up to sqrt(P) too short; near 1 they agree).
         Combined over every optimizer this object (or the class) was given to (core.scopes).
         """
         self._refresh_counters()
@@ -194,12 +197,23 @@ class CompressorState(abc.ABC, Generic[R]):
             "compress_seconds": sum(r.compress_seconds for _, r in self.registry),
             "exchanges": dict(Counter(r.exchange for _, r in self.registry if r.exchange)),
             **({"auto": self.auto.stats()} if self.auto is not None else {}),
+            **noise_share_summary([(float(r.noise_share), r.numel) for _, r in self.registry
+                                   if r.noise_share is not None]),
             **self._extra_stats(),
         }
 
     def _extra_stats(self) -> Dict[str, Any]:
         """What a framework's exchanges add to stats() (PyTorch: its buckets)."""
         return {}
+
+
+def noise_share_summary(shares: List[Tuple[float, int]]) -> Dict[str, Any]:
+    """stats()'s ``noise_share`` entry from (share, numel) per tensor: nothing when no tensor has one."""
+    if not shares:
+        return {}
+    total = sum(numel for _, numel in shares)
+    mean = sum(share * numel for share, numel in shares) / total if total else 0.0
+    return {"noise_share": {"mean": mean, "min": min(s for s, _ in shares), "max": max(s for s, _ in shares)}}
 
 
 class TopKEFBase(CompressorState[R]):

@@ -50,6 +50,10 @@ class TensorRecord(Generic[R]):
     #: Whether the ranks' agreement about this tensor was checked (core.consistency) since it was created or
     #: loaded; not saved: a loaded state is checked again.
     verified: bool = False
+    #: Update mode's calibrated second moment: the tensor's noise share on its last step (the fraction of its squared
+    #: gradient that survived averaging over the ranks; 1/P for pure noise). A 0-dim device tensor read by stats();
+    #: telemetry, not saved: it is estimated again each step.
+    noise_share: Any = None
 
     @property
     def numel(self) -> int:

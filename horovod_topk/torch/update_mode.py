@@ -321,7 +321,9 @@ class UpdateStep:
             lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
             state = self._own_state(name, p)
             state["step"] += 1
-            squared = gradient.float().square().mul_(shares[position].to(p.device))
+            share = shares[position]
+            self.compressor.registry.record(update_tensor_name(self.scope + name), tuple(p.shape)).noise_share = share
+            squared = gradient.float().square().mul_(share.to(p.device))
             update_rule.update_second_moment(state["exp_avg_sq"], squared, beta2)
             updates.append(update_rule.adam_update(
                 p.detach(), gradient, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), lr=lr, beta1=beta1,

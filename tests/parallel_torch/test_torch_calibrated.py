@@ -75,13 +75,14 @@ def test_the_second_moment_is_smaller_than_the_ranks_own_by_the_noise_share():
     for mode in ("local", "calibrated"):
         torch.manual_seed(0)
         model = Net()
+        compressor = TopKEF(ratio=1.0, target="update", second_moment=mode)
         opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                       named_parameters=model.named_parameters(),
-                                       compression=TopKEF(ratio=1.0, target="update", second_moment=mode))
+                                       named_parameters=model.named_parameters(), compression=compressor)
         opt.zero_grad()
         x, tokens, y = batch(0)
         nn.functional.cross_entropy(model(x, tokens, True), y).backward()
         opt.step()
+        assert ("noise_share" in compressor.stats()) == (mode == "calibrated")
         moments[mode] = {n: opt.state[p]["exp_avg_sq"].double() for n, p in model.named_parameters()}
     world = hvd.size()
     below = 0
@@ -95,6 +96,9 @@ def test_the_second_moment_is_smaller_than_the_ranks_own_by_the_noise_share():
         assert 1.0 / world - 1e-6 <= float(ratio[0]) <= 1.0 + 1e-6, (name, float(ratio[0]))
         below += float(ratio[0]) < 0.99
     assert below >= 1
+    summary = compressor.stats()["noise_share"]  # the calibrated run's shares: what the ratios above measured
+    assert 1.0 / world - 1e-6 <= summary["min"] <= summary["mean"] <= summary["max"] <= 1.0 + 1e-6
+    assert summary["min"] < 0.99
 
 
 def test_a_gradient_mode_adam_state_is_continued():
