@@ -159,7 +159,7 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
     dense_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
     wire_bytes_per_step = dense_bytes_per_step // 2 if method == "fp16" else dense_bytes_per_step
     gen = torch.Generator().manual_seed(seed * 100 + hvd.rank())
-    evals, valid, train, sent, seconds = [], [], [], [], []
+    evals, valid, train, sent, seconds, shares = [], [], [], [], [], []
     total, training = 0.0, 0.0  # training: wall time of the steps alone (evaluations excluded)
     for step in range(1, steps + 1):
         started = time.perf_counter()
@@ -178,12 +178,15 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
             valid.append(task.validate(model))
             stats = getattr(compression, "stats", None)
             sent.append(stats()["bytes_sent"] if callable(stats) else wire_bytes_per_step * step)
+            if callable(stats) and "noise_share" in stats():  # update mode's calibrated second moment
+                shares.append(stats()["noise_share"]["mean"])
             total = 0.0
     at_budget = evals.index(budget_steps) if budget_steps in evals else len(evals) - 1
     return {"metric": "validation loss", "final": valid[at_budget], "perplexity": math.exp(valid[at_budget]),
             "evals": evals, "metric_curve": valid, "curve": train, "bytes_sent": sent,
             "bytes_dense_per_step": dense_bytes_per_step, "budget_steps": budget_steps, "corpus": task.source,
             "train_seconds": seconds,
+            **({"noise_share": shares} if shares else {}),  # the tensors' mean noise share at each evaluation
             **({"auto": compression.stats()["auto"]} if getattr(compression, "auto", None) is not None else {})}
 
 
