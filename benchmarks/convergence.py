@@ -39,7 +39,7 @@ TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
 EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.01-sparse_allreduce",
-                 "update0.01", "update-shared0.01", "update-calibrated0.01", "update-compact0.025", "topk0.03", "topk0.1"]
+                 "update0.01", "update-shared0.01", "update-calibrated0.01", "update0.0115", "update-compact0.025", "topk0.03", "topk0.1"]
 
 
 #: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
@@ -77,6 +77,8 @@ def compression_for(method: str, warmup_steps: int):
         "update0.01": TopKEF(ratio=0.01, target="update", second_moment="local"),
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
         "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated"),
+        # each rank's own second moment at the bytes of update-calibrated0.01 (its sketch included)
+        "update0.0115": TopKEF(ratio=0.0115, target="update", second_moment="local"),
         "update-compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8", target="update",
                                       second_moment="local"),
         "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce"),
