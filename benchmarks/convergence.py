@@ -178,10 +178,10 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
             seconds.append(training)
             train.append(hvd.allreduce(torch.tensor(total / every), name="loss").item())
             valid.append(task.validate(model))
-            stats = getattr(compression, "stats", None)
-            sent.append(stats()["bytes_sent"] if callable(stats) else wire_bytes_per_step * step)
-            if callable(stats) and "noise_share" in stats():  # update mode's calibrated second moment
-                shares.append(stats()["noise_share"]["mean"])
+            stats = compression.stats() if callable(getattr(compression, "stats", None)) else None
+            sent.append(stats["bytes_sent"] if stats is not None else wire_bytes_per_step * step)
+            if stats is not None and "noise_share" in stats:  # update mode's calibrated second moment
+                shares.append(stats["noise_share"]["mean"])
             total = 0.0
     at_budget = evals.index(budget_steps) if budget_steps in evals else len(evals) - 1
     return {"metric": "validation loss", "final": valid[at_budget], "perplexity": math.exp(valid[at_budget]),
