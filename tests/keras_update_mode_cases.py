@@ -55,10 +55,11 @@ def _train_step(model, optimizer):
     return step
 
 
-def _adam_training():
-    """A model, update mode's compressor (ratio 0.05), a wrapped Adam and the traced step over them."""
+def _adam_training(second_moment="auto"):
+    """A model, update mode's compressor (ratio 0.05), a wrapped Adam and the traced step over them ("auto" is the
+    calibrated second moment for Keras's Adam)."""
     model = _model()
-    compressor = TopKEF(ratio=0.05, min_numel=256, target="update")
+    compressor = TopKEF(ratio=0.05, min_numel=256, target="update", second_moment=second_moment)
     optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
     return model, compressor, optimizer, _train_step(model, optimizer)
 
@@ -105,7 +106,7 @@ def test_update_mode_adam_error_feedback_invariant_and_identical_ranks(exchange)
     variables; and every rank's parameters are the same bytes."""
     size = hvd.size()
     model, twin = _model(), _model()
-    compressor = TopKEF(ratio=0.05, min_numel=256, exchange=exchange, target="update")
+    compressor = TopKEF(ratio=0.05, min_numel=256, exchange=exchange, target="update", second_moment="local")
     optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
     plain = keras.optimizers.Adam(1e-2)
     step = _train_step(model, optimizer)
@@ -154,19 +155,21 @@ def test_update_mode_one_rank_nonfinite_skips_the_step_on_every_rank():
     assert finite and moved and same
 
 
-def test_update_mode_resumes_exactly_from_a_checkpoint():
+@pytest.mark.parametrize("second_moment", ["local", "calibrated"])
+def test_update_mode_resumes_exactly_from_a_checkpoint(second_moment):
     """Residuals (TopKEF.state_dict) and this rank's optimizer state saved after 2 steps: a new model, optimizer and
-    compressor loaded from them take steps 3-4 exactly as the uninterrupted run did."""
+    compressor loaded from them take steps 3-4 exactly as the uninterrupted run did (the calibrated sketch's signs
+    follow the optimizer's iterations, which the optimizer state carries)."""
     batches = _batches(4, hvd.rank())
 
-    model, compressor, optimizer, step = _adam_training()
+    model, compressor, optimizer, step = _adam_training(second_moment)
     for i, (x, y) in enumerate(batches):
         if i == 2:
             saved = (_weights(model), compressor.state_dict(), [v.numpy() for v in optimizer.variables])
         step(x, y, tf.constant(1.0))
     straight = _weights(model)
 
-    model, compressor, optimizer, step = _adam_training()
+    model, compressor, optimizer, step = _adam_training(second_moment)
     model.set_weights(saved[0])
     compressor.load_state_dict(saved[1])
     optimizer.build(model.trainable_variables)
@@ -206,10 +209,20 @@ def test_update_mode_refuses_what_it_cannot_do_by_name():
     with pytest.raises(ValueError, match="register_local_var is not supported"):
         hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1),
                                        compression=TopKEF(target="update")).register_local_var(tf.Variable(1.0))
-    for computed in ("shared", "calibrated"):  # torch's Adam computed by horovod-topk: refused by name
-        with pytest.raises(ValueError, match=f"second_moment='{computed}'.*second_moment='local'"):
-            hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.1),
-                                           compression=TopKEF(target="update", second_moment=computed))
+    with pytest.raises(ValueError, match="second_moment='shared'.*PyTorch's.*second_moment='calibrated'"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.1),
+                                       compression=TopKEF(target="update", second_moment="shared"))
+    calibrated = TopKEF(target="update", second_moment="calibrated")
+    for cannot in (keras.optimizers.SGD(0.1), keras.optimizers.RMSprop(0.1), keras.optimizers.Adam(0.1, beta_2=0.0),
+                   keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(0.1))):
+        with pytest.raises(ValueError, match="second_moment='calibrated'.*second_moment='local'"):
+            hvd_keras.DistributedOptimizer(cannot, compression=calibrated)
+    if "gradient_accumulation_steps" in keras.optimizers.Adam(0.1).get_config():  # Keras 3
+        with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+            hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.1, gradient_accumulation_steps=2),
+                                           compression=calibrated)
+    for other in (keras.optimizers.SGD(0.1), keras.optimizers.RMSprop(0.1)):  # "auto": each rank's own there
+        hvd_keras.DistributedOptimizer(other, compression=TopKEF(target="update"))
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=TopKEF(target="update"),
                                        backward_passes_per_step=2)
@@ -310,3 +323,94 @@ def test_update_mode_variables_of_the_same_name_keep_apart_in_a_traced_step():
     assert len(set(keys)) == len(keys) == 4 and sum(".dup" in k for k in keys) == 4  # the names did collide
     assert set(_residuals(compressor)) <= set(keys) and len(_residuals(compressor)) == 2  # the two kernels
     assert _same_on_every_rank([v.numpy() for v in variables], "same.names")
+
+
+def _velocities(optimizer, variables):
+    from horovod_topk.tensorflow.update_mode import _velocity
+
+    return [_velocity(optimizer, v).numpy().astype(np.float64) for v in variables]
+
+
+@pytest.mark.parametrize("make", ["Adam", "AdamW"])
+def test_calibrated_first_step_matches_an_independent_reference_with_the_exact_share(make):
+    """Step 1 from a fresh state, ratio 1, a sketch as wide as the widest variable (hence exact): Keras's update is
+    alpha * m / (sqrt(v) + eps) with m = (1 - b1) g, v = (1 - b2) * s * g**2, alpha = lr sqrt(1 - b2) / (1 - b1),
+    s = ||sum_r g_r||**2 / (P sum_r ||g_r||**2) clamped to [1/P, 1]; every rank applies the ranks' mean (AdamW also
+    decays the variable by lr * wd, the same on every rank)."""
+    lr, eps, wd = 1e-2, 1e-7, 0.004
+    model = _model()
+    widest = max(int(np.prod(v.shape)) for v in model.trainable_variables)
+    compressor = TopKEF(target="update", second_moment="calibrated", second_moment_sketch=widest, **EVERYTHING)
+    user = keras.optimizers.AdamW(lr, weight_decay=wd, epsilon=eps) if make == "AdamW" else \
+        keras.optimizers.Adam(lr, epsilon=eps)
+    step = _train_step(model, _wrap(user, compressor))
+    before = [w.astype(np.float64) for w in _weights(model)]
+    grads = [g.numpy().astype(np.float64) for g in step(*_batches(1, hvd.rank())[0], tf.constant(1.0))]
+    every = hvd.allgather_object(grads, name=f"calibrated.first.{make}")
+    size = hvd.size()
+    shares = []
+    for i, p0 in enumerate(before):
+        g = np.stack([ranks[i] for ranks in every])
+        total = np.square(g).sum()
+        share = float(np.clip(np.square(g.sum(0)).sum() / (size * total), 1.0 / size, 1.0)) if total > 0 else 1.0
+        shares.append(share)
+        local = lr * np.sqrt(1 - 0.999) * g / (np.sqrt((1 - 0.999) * share) * np.abs(g) + eps)
+        expected = p0 * (1 - lr * wd if make == "AdamW" else 1.0) - local.mean(0)
+        np.testing.assert_allclose(_weights(model)[i], expected, rtol=2e-5, atol=1e-6, err_msg=f"variable {i}")
+    assert min(shares) < 0.99  # the ranks' gradients differ: some share is not 1, so the scaling was exercised
+    stats = compressor.stats()["noise_share"]
+    assert abs(stats["min"] - min(shares)) < 1e-5 and abs(stats["max"] - max(shares)) < 1e-5
+    assert _same_on_every_rank(_weights(model), f"calibrated.same.{make}")
+
+
+def test_calibrated_second_moment_is_the_local_one_times_a_share():
+    """The same first step with each rank's own second moment and with the calibrated one (the default sketch of
+    64): per variable the velocities differ by one factor in [1/P, 1], below 1 for some variable; the sketch's
+    bytes are counted in what each update sent."""
+    velocities, sent = {}, {}
+    for mode in ("local", "calibrated"):
+        model = _model()
+        compressor = TopKEF(target="update", second_moment=mode, **EVERYTHING)
+        optimizer = _wrap(keras.optimizers.Adam(1e-2), compressor)
+        _train_step(model, optimizer)(*_batches(1, hvd.rank())[0], tf.constant(1.0))
+        velocities[mode] = _velocities(optimizer, model.trainable_variables)
+        sent[mode] = compressor.stats()["bytes_sent"]
+    size, below = hvd.size(), 0
+    for i, (local, calibrated) in enumerate(zip(velocities["local"], velocities["calibrated"])):
+        seen = local > 1e-20
+        ratio = calibrated[seen] / local[seen]
+        np.testing.assert_allclose(ratio, ratio[0], rtol=1e-4, err_msg=f"variable {i}")  # one share per tensor
+        assert 1.0 / size - 1e-5 <= ratio[0] <= 1.0 + 1e-5, (i, ratio[0])
+        below += ratio[0] < 0.99
+    assert below >= 1
+    assert sent["calibrated"] - sent["local"] == 6 * 4 * 65  # 6 variables, 65 float32 each
+
+
+def test_calibrated_error_feedback_invariant_from_the_state_the_step_left():
+    """Over 4 steps at ratio 0.05: each rank's local update recomputed from the Adam slots its step left (alpha * m
+    / (sqrt(v) + eps)) satisfies sum of new residuals + P * applied == sum of (old residual + local update), and the
+    ranks' variables stay the same bytes while their velocities are their own."""
+    size = hvd.size()
+    model, compressor, optimizer, step = _adam_training("calibrated")
+    key = update_keys(model.trainable_variables)[0]  # the first kernel (32 x 64): compressed
+    for i, (x, y) in enumerate(_batches(4, hvd.rank())):
+        before = model.trainable_variables[0].numpy().astype(np.float64)
+        old = _residuals(compressor)
+        step(x, y, tf.constant(1.0))
+        t = np.float32(optimizer.iterations.numpy())
+        m = optimizer._momentums[0].numpy()
+        v = _velocities(optimizer, model.trainable_variables[:1])[0].astype(np.float32)
+        # in float32 as Keras computes it: the twin of the arithmetic, not a second rounding of it
+        one = np.float32(1)
+        alpha = np.float32(1e-2) * np.sqrt(one - np.float32(0.999) ** t) / (one - np.float32(0.9) ** t)
+        local = ((m * alpha) / (np.sqrt(v) + np.float32(optimizer.epsilon))).astype(np.float64)
+        applied = before - model.trainable_variables[0].numpy().astype(np.float64)
+        new = _residuals(compressor)
+        gathered = hvd.allgather_object((old.get(key, np.zeros_like(new[key])), new[key], local.reshape(-1)),
+                                        name=f"calibrated.invariant.{i}")
+        total_old = sum(o + u for o, _, u in gathered)
+        total_new = sum(n for _, n, _ in gathered)
+        np.testing.assert_allclose(total_new + size * applied.reshape(-1), total_old, rtol=1e-5, atol=1e-7)
+        assert np.abs(total_new).sum() > 0
+        assert _same_on_every_rank(_weights(model), f"calibrated.identical.{i}")
+    assert not _same_on_every_rank(_velocities(optimizer, model.trainable_variables), "calibrated.own.velocity")

@@ -112,8 +112,10 @@ class TopKConfig:
             Adam-family optimizers, which normalise each coordinate: a coordinate sent once every L steps as a
             gradient moves ~sqrt(L) steps' worth under Adam, as an update L (core.update_mode).
         second_moment (str): with target="update", where each rank's Adam second moment comes from. "auto"
-            (default): "calibrated" for torch's Adam/AdamW (without amsgrad, maximize, differentiable), "local"
-            for every other optimizer and with Keras. "calibrated" -- Adam/AdamW's step computed by horovod-topk
+            (default): "calibrated" for torch's Adam/AdamW (without amsgrad, maximize, differentiable) and Keras's
+            Adam/AdamW (Keras 2 and 3, without a loss-scale wrapper or gradient accumulation), "local" for every
+            other optimizer. "calibrated" -- with Keras, the optimizer's own step with its velocity moved first so
+            that it takes in the scaled squared gradient; with torch, Adam/AdamW's step computed by horovod-topk
             from the optimizer's own hyperparameters, schedule and state (Adam's keys, each rank's own), its squared
             gradient scaled by the share of the tensor's gradient that survives averaging over ranks (estimated
             each step from a sketch of ``second_moment_sketch`` floats per tensor, one small allreduce): a rank's

@@ -14,7 +14,8 @@ block`` floats (0.4% of a dense float32 allreduce for blocks of 256). Measured (
 linearity is not what costs: a second moment made of the ranks' *own* squared gradients -- each rank's, or their
 mean, per entry or per block -- trains alike, and only one made from the square of the *averaged* gradient (a dense
 allreduce) trains better. What does cost is below, and the calibrated second moment that corrects it is the default
-for torch's Adam/AdamW (``second_moment="auto"``); every other optimizer steps as each rank's own (``"local"``).
+for Adam/AdamW, torch's and Keras's (``second_moment="auto"``); every other optimizer steps as each rank's own
+(``"local"``).
 
 Why each rank's own second moment makes steps too short, and the calibrated one: a rank's squared gradient holds its
 own batch's noise, and averaging over P ranks removes (P - 1)/P of that noise from the gradient but not from the
@@ -61,6 +62,13 @@ __all__ = [
     "SketchLayout",
     "sketch_layout",
     "sketch_salt",
+    "SALT_MULTIPLIERS",
+    "SALT_OFFSET",
+    "SIGN_HASH_MULTIPLIERS",
+    "MASK31",
+    "row_sign",
+    "KERAS_CALIBRATED",
+    "resolve_keras_second_moment",
 ]
 
 #: The name of the non-finite agreement before the local step (a one-element allreduce of the ranks' counts).
@@ -232,11 +240,71 @@ def sketch_layout(tensors: int, width: int) -> SketchLayout:
     return SketchLayout(width=int(width), tensors=int(tensors))
 
 
+#: The salt's splitmix64 constants (sketch_salt): every framework computes the same 64-bit arithmetic.
+SALT_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+SALT_OFFSET = 0x94D049BB133111EB
+#: Odd 31-bit multipliers of the rows' sign hash (row_sign): products with 31-bit values stay inside int64, so every
+#: framework's integer tensors compute it exactly.
+SIGN_HASH_MULTIPLIERS = (0x5BD1E995 & 0x7FFFFFFF, 0x27D4EB2F, 0x165667B1)
+MASK31 = 2**31 - 1
+_MASK64 = 2**64 - 1
+
+
 def sketch_salt(step: int, position: int) -> int:
     """The seed of the rows' signs of the tensor at ``position`` (in the ranks' common order) at ``step``: the same
     on every rank, different for every step and tensor, a non-negative 31-bit integer (exact in every framework's
     integer arithmetic). A splitmix-style mix of the two, so that neighbouring steps share no pattern."""
-    x = (int(step) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) & (2**31 - 1)
+    first, second, third = SALT_MULTIPLIERS
+    x = (int(step) * first + int(position) * second + SALT_OFFSET) & _MASK64
+    x = ((x ^ (x >> 30)) * second) & _MASK64
+    x = ((x ^ (x >> 27)) * third) & _MASK64
+    return (x ^ (x >> 31)) & MASK31
+
+
+def row_sign(row: int, salt: int) -> int:
+    """The sign (+1 or -1) of sketch row ``row`` under ``salt``: the definition each framework vectorises over a
+    tensor's rows (torch.update_rule.row_signs, tensorflow.noise_share.row_signs), so the two draw the same signs."""
+    first, *rest = SIGN_HASH_MULTIPLIERS
+    x = (int(row) * first + (int(salt) & MASK31)) & MASK31
+    for multiplier in rest:
+        x = ((x ^ (x >> 15)) * multiplier) & MASK31
+    x ^= x >> 13
+    return 1 if (x >> 7) & 1 else -1
+
+
+#: Keras optimizer classes (qualified names; Keras 3 and Keras 2's tf_keras) whose second moment horovod-topk can
+#: calibrate. It does not compute their step: before it, it adds ``(1 - beta_2) / beta_2 * (share - 1) * g**2`` to
+#: their own velocity, which their update ``v = beta_2 * v + (1 - beta_2) * g**2`` (linear in v) turns into
+#: ``beta_2 * v + (1 - beta_2) * share * g**2`` -- the calibrated second moment -- whatever else their step does
+#: (amsgrad's maximum, AdamW's decay, clipping before it, a learning-rate schedule).
+KERAS_CALIBRATED = frozenset({
+    "keras.src.optimizers.adam.Adam", "keras.src.optimizers.adamw.AdamW",
+    "tf_keras.src.optimizers.adam.Adam", "tf_keras.src.optimizers.adamw.AdamW",
+})
+
+
+def resolve_keras_second_moment(setting: str, class_name: str, beta_2: object, accumulation_steps: object) -> str:
+    """TopKConfig.second_moment for a Keras optimizer (class by qualified name): "local" as it is; "calibrated"
+    after checking that the class is one of KERAS_CALIBRATED, its ``beta_2`` a number in (0, 1) and it does not
+    accumulate gradients over steps (its velocity then moves on another step than the one the share was measured
+    on); "auto": "calibrated" where it can, "local" elsewhere. "shared" computes torch's Adam: refused by name."""
+    if setting == "shared":
+        raise ValueError("horovod-topk: TopKEF(target='update', second_moment='shared') computes torch's Adam and is "
+                         "PyTorch's; with Keras use second_moment='calibrated' (Adam/AdamW) or 'local'")
+    if setting not in ("calibrated", "auto"):
+        return setting
+    short = class_name.rsplit(".", 1)[-1]
+    if class_name not in KERAS_CALIBRATED:
+        reason = (f"calibrates the velocity of Keras's Adam/AdamW and cannot do {class_name}'s (a loss-scale "
+                  f"optimizer or a legacy optimizer included)")
+    elif not isinstance(beta_2, (int, float)) or not 0.0 < float(beta_2) < 1.0:
+        reason = f"needs {short}'s beta_2 as a number in (0, 1), got {beta_2!r}"
+    elif accumulation_steps not in (None, 0, 1):
+        reason = f"cannot follow {short}(gradient_accumulation_steps={accumulation_steps!r})"
+    else:
+        return "calibrated"
+    if setting == "auto":
+        return "local"
+    raise ValueError(f"horovod-topk: TopKEF(target='update', second_moment='calibrated') {reason}; use "
+                     f"second_moment='local' (each rank steps its own optimizer; averaging their updates costs "
+                     f"convergence as the number of ranks grows)")

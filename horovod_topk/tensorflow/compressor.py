@@ -95,6 +95,8 @@ class TopKEF(TopKEFBase[Any]):
         self._momentum_vars: Dict[str, tf.Variable] = self._trackable.momentum
         self._level_vars: Dict[str, tf.Variable] = self._trackable.levels
         self._counter_vars: Dict[str, tf.Variable] = self._trackable.counters
+        #: Update mode's calibrated second moment: each update's last noise share (telemetry, not checkpointed).
+        self._noise_share_vars: Dict[str, tf.Variable] = {}
         #: Gradient reduction names whose update-mode agreement check ran (horovod_topk.tensorflow.update_mode):
         #: forgotten with the tensors' own checks after a load or an elastic reset, so every rank checks again.
         self.checked_gradients: set = set()
@@ -392,6 +394,20 @@ class TopKEF(TopKEFBase[Any]):
             self._counter_vars[name] = var
         return var
 
+    def count_sent(self, name: str, shape: tuple, nbytes: int) -> tf.Operation:
+        """In the graph: add ``nbytes`` that a collective outside the exchange carried for tensor ``name`` (update
+        mode's noise-share sketch) to its bytes sent (stats())."""
+        counters = self._counters(name, self.registry.record(name, shape))
+        return counters.assign_add(tf.constant([0, nbytes, 0, 0, 0], tf.int64))
+
+    def noise_share_variable(self, name: str) -> tf.Variable:
+        """The float32 scalar that update mode's calibrated second moment assigns tensor ``name``'s noise share to
+        each step; stats() reads it into the tensor's record."""
+        var = self._noise_share_vars.get(name)
+        if var is None:
+            var = self._noise_share_vars[name] = state_variable(0.0, "topk_noise_share", tf.float32)
+        return var
+
     @staticmethod
     def _counter_values(record: TensorRecord[Any]) -> list:
         """The counter variable's layout: (steps, bytes sent, bytes dense, non-finite steps, guarded steps)."""
@@ -408,6 +424,10 @@ class TopKEF(TopKEFBase[Any]):
                 seconds = self._telemetry.compress_seconds(name) if self._telemetry is not None else None
                 if seconds is not None:
                     record.compress_seconds = seconds
+        for name, var in self._noise_share_vars.items():
+            if name in self.registry.records:
+                record = self.registry.records[name]
+                record.noise_share = float(var.numpy()) if record.steps else None
 
     def _after_load(self) -> None:
         self._forget_agreements()

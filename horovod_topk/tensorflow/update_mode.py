@@ -12,44 +12,59 @@ point -- ``apply`` in Keras 3, ``apply_gradients`` in Keras 2 -- runs on every r
    optimizer with a dynamic scale (``LossScaleOptimizer``) is then handed NaN gradients on every rank, so that each
    lowers its scale as it would have had its own gradient overflowed (skipping without telling it would skip every
    later step too);
-3. the user's optimizer steps on this rank's own gradient (its clipping, schedule and state are this rank's), the
+3. with the calibrated second moment (Keras's Adam/AdamW, the default there), one allreduce of every gradient's
+   sketch and squared norm gives each tensor's noise share (core.update_mode), and the optimizer's ``update_step``
+   first moves the variable's velocity so that its own update takes in ``share * g**2``;
+   the user's optimizer steps on this rank's own gradient (its clipping, schedule and state are this rank's), the
    update is the variables before minus after;
 4. each update goes through the compressor (error feedback, selection, allgather / sparse allreduce / compact
    encoding, Horovod's dense allreduce where core's plan says dense), keyed ``update.<variable>``;
 5. every rank sets each variable to (before - the averaged update): the same bytes on every rank.
 
 The math and the decisions are core's (core.update_mode, core.plan via ``TopKEF.start_reduction``); this module
-only orders the TensorFlow ops. The shared second moment is PyTorch's (it computes torch's Adam): refused here.
+only orders the TensorFlow ops (tensorflow.noise_share has the sketch's). The shared second moment is PyTorch's (it
+computes torch's Adam): refused here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from ..core import RankMismatch, check_name, fingerprint, mismatch_message
-from ..core.update_mode import NONFINITE_NAME, update_tensor_names
-from . import keras3
+from ..core.update_mode import (
+    NOISE_SHARE_NAME,
+    NONFINITE_NAME,
+    resolve_keras_second_moment,
+    sketch_layout,
+    update_tensor_names,
+)
+from . import keras3, noise_share
 
-__all__ = ["distributed_optimizer", "update_keys", "SUM_REFUSAL"]
+__all__ = ["distributed_optimizer", "update_keys", "second_moment_of", "SUM_REFUSAL"]
 
 #: Why update mode takes op=hvd.Average only with Keras (whose optimizers' updates are not linear in the gradient).
 SUM_REFUSAL = ("horovod-topk: TopKEF(target='update') averages the ranks' optimizer updates; use op=hvd.Average "
                "(a sum of P normalised updates is P times the step)")
 
 
-def _refuse(compressor: Any, op: Any, backward_passes_per_step: int, average: Any) -> None:
+def _refuse(op: Any, backward_passes_per_step: int, average: Any) -> None:
     """What update mode cannot do with a Keras optimizer, refused by name before training."""
-    if compressor.config.second_moment not in ("local", "auto"):  # "auto" is "local" with Keras
-        raise ValueError(f"horovod-topk: TopKEF(target='update', second_moment={compressor.config.second_moment!r}) "
-                         f"computes torch's Adam and is PyTorch's; with Keras use second_moment='local' (each rank "
-                         f"steps its own optimizer)")
     if op != average:
         raise ValueError(SUM_REFUSAL)
     if backward_passes_per_step != 1:
         raise ValueError("horovod-topk: TopKEF(target='update') with backward_passes_per_step > 1 is not supported "
                          "with Keras optimizers; use the optimizer's own gradient accumulation "
                          "(Keras 3: gradient_accumulation_steps) or target='gradient'")
+
+
+def second_moment_of(compressor: Any, optimizer: Any) -> str:
+    """TopKConfig.second_moment resolved for a Keras ``optimizer`` (core.update_mode.resolve_keras_second_moment):
+    "calibrated" or "local"; what it cannot do is refused by name."""
+    cls = type(optimizer)
+    return resolve_keras_second_moment(compressor.config.second_moment, f"{cls.__module__}.{cls.__qualname__}",
+                                       getattr(optimizer, "beta_2", None),
+                                       getattr(optimizer, "gradient_accumulation_steps", None))
 
 
 def _ops_of(applied: Any) -> List[Any]:
@@ -76,20 +91,34 @@ class UpdateStep:
     Args:
         compressor: the TopKEF (``target="update"``) that holds the update residuals.
         process_set: Horovod's process set of the wrapped optimizer.
+        scales_loss: the optimizer lowers a dynamic loss scale when handed non-finite gradients (it then sees a
+            skipped step's gradients as NaN; a fixed-scale one would apply them).
+        sketch_width: the calibrated second moment's sketch buckets per tensor; None for each rank's own
+            (``"local"``).
     """
 
-    def __init__(self, compressor: Any, process_set: Any, scales_loss: bool = False) -> None:
-        """``scales_loss``: the optimizer lowers a dynamic loss scale when handed non-finite gradients (it then
-        sees a skipped step's gradients as NaN; a fixed-scale one would apply them)."""
+    def __init__(self, compressor: Any, process_set: Any, scales_loss: bool = False,
+                 sketch_width: Optional[int] = None) -> None:
         self.compressor = compressor
         self.process_set = process_set
         #: Whether the optimizer is a loss-scale optimizer, which must see a skipped step's non-finite gradients.
         self.scales_loss = scales_loss
+        self.sketch_width = sketch_width
+        #: While the user's optimizer steps under the calibrated second moment: each tf.Variable's noise share (by
+        #: id), read by the optimizer's update_step (share_of); empty otherwise.
+        self._shares: Dict[int, tf.Tensor] = {}
+
+    def share_of(self, variable: Any) -> Optional[tf.Tensor]:
+        """The noise share of ``variable`` (a Keras or tf.Variable) in the step being built; None outside one."""
+        if not self._shares:
+            return None
+        return self._shares.get(id(keras3.tf_variables([variable])[0]))
 
     def __call__(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: Sequence[Any],
-                 variables: Sequence[Any]) -> tf.Tensor:
+                 variables: Sequence[Any], step: Any = None) -> tf.Tensor:
         """Run the step; True where it was taken, False where some rank's gradient was non-finite (skipped).
-        A rank outside the process set steps on its own, as Horovod's gradient reduction leaves it."""
+        A rank outside the process set steps on its own, as Horovod's gradient reduction leaves it. ``step``: the
+        optimizer step about to be taken (its iterations + 1), the calibrated sketch's signs' step."""
         if not self.process_set.included():
             applied = local_apply(list(grads), list(variables))
             with tf.control_dependencies(_ops_of(applied)):
@@ -103,14 +132,21 @@ class UpdateStep:
         self._check_modes(grads, targets)
         finite = self._agree_finite(grads)
 
-        def step() -> tf.Tensor:
+        def take() -> tf.Tensor:
             before = [tf.identity(t.read_value()) for t in targets]
-            with tf.control_dependencies(before):
-                applied = local_apply(grads, variables)
+            calibrating = self._calibrate(grads, targets, keys, step) if self.sketch_width else []
+            with tf.control_dependencies(before + calibrating):
+                try:
+                    applied = local_apply(grads, variables)
+                finally:
+                    self._shares = {}
             with tf.control_dependencies(_ops_of(applied)):
                 updates = [b - t.read_value() for b, t in zip(before, targets)]
             averaged = [self._exchange(u, key) for u, key in zip(updates, keys)]
             assigns = [t.assign(b - a) for t, b, a in zip(targets, before, averaged)]
+            if self.sketch_width:  # the sketch's bytes in each update's traffic (stats())
+                nbytes = 4 * (self.sketch_width + 1)
+                assigns += [self.compressor.count_sent(key, tuple(t.shape), nbytes) for t, key in zip(targets, keys)]
             with tf.control_dependencies(assigns):
                 return tf.constant(True)
 
@@ -124,8 +160,28 @@ class UpdateStep:
                 return tf.constant(False)
 
         if tf.executing_eagerly():  # no cond to build: the ranks agree on `finite`, so they branch alike
-            return step() if bool(finite) else skip()
-        return tf.cond(finite, step, skip)
+            return take() if bool(finite) else skip()
+        return tf.cond(finite, take, skip)
+
+    def _calibrate(self, grads: Sequence[Any], targets: Sequence[Any], keys: Sequence[str], step: Any) -> List[Any]:
+        """The calibrated second moment's share of every tensor (core.update_mode): this rank's sketches, one
+        allreduce (Sum) of them, the shares; kept for the optimizer's update_step (share_of) and assigned to the
+        telemetry variables, whose assigns are returned. The gradients are finite here (the step's branch)."""
+        from horovod.tensorflow import _allreduce
+        from horovod.tensorflow.mpi_ops import Sum
+
+        assert self.sketch_width is not None
+        layout = sketch_layout(len(grads), self.sketch_width)
+        if step is None:
+            raise ValueError("horovod-topk: the calibrated second moment needs the optimizer's step")
+        rows = [noise_share.sketch(g, layout.width, noise_share.sketch_salt(step, position))
+                for position, g in enumerate(grads)]
+        summed = _allreduce(tf.reshape(tf.stack(rows), [-1]), name=NOISE_SHARE_NAME, op=Sum, ignore_name_scope=True,
+                            process_set=self.process_set)
+        shares = noise_share.noise_shares(tf.reshape(summed, [layout.tensors, layout.width + 1]),
+                                          self.process_set.size())
+        self._shares = {id(t): shares[i] for i, t in enumerate(targets)}
+        return [self.compressor.noise_share_variable(key).assign(shares[i]) for i, key in enumerate(keys)]
 
     def _agree_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Whether every rank's gradients are finite: one allreduce (Sum) of the ranks' non-finite counts."""
@@ -182,6 +238,13 @@ class UpdateStep:
                 raise RankMismatch(message)
 
 
+def _velocity(optimizer: Any, variable: Any) -> Any:
+    """Adam's second-moment slot of ``variable``: Keras 3 indexes its slots by variable, Keras 2 (tf_keras) by key."""
+    if hasattr(optimizer, "_get_variable_index"):
+        return optimizer._velocities[optimizer._get_variable_index(variable)]
+    return optimizer._velocities[optimizer._index_dict[optimizer._var_key(variable)]]
+
+
 class _CallableList(list):
     """The optimizer's variables, readable as Keras 3's property and as the method Horovod's elastic
     ``TensorFlowKerasState`` calls (``optimizer.variables()``), as Horovod's own Keras wrapper provides."""
@@ -201,11 +264,13 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
     from .compressor import TopKEF
 
     compressor = compression if isinstance(compression, TopKEF) else compression.default()
-    _refuse(compressor, op, backward_passes_per_step, Average)
+    _refuse(op, backward_passes_per_step, Average)
+    calibrated = second_moment_of(compressor, optimizer) == "calibrated"
     # Keras 3's LossScaleOptimizer and Keras 2's wrap the user's optimizer as ``inner_optimizer``; Keras 2's may
     # have a fixed scale (dynamic=False), which applies whatever it is handed
     scales_loss = hasattr(optimizer, "inner_optimizer") and bool(getattr(optimizer, "dynamic", True))
-    run = UpdateStep(compressor, process_set, scales_loss=scales_loss)
+    run = UpdateStep(compressor, process_set, scales_loss=scales_loss,
+                     sketch_width=compressor.config.second_moment_sketch if calibrated else None)
     base = type(optimizer)
 
     if keras3.is_keras3_optimizer(optimizer):
@@ -214,7 +279,7 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
             if not self.built:  # before the cond: variables are created outside its branches
                 self.build(variables)
                 self.built = True
-            taken = run(lambda g, v: super(cls, self).apply(g, v), list(grads), variables)
+            taken = run(lambda g, v: super(cls, self).apply(g, v), list(grads), variables, step=self.iterations + 1)
             with tf.control_dependencies([taken]):  # what a graph-mode caller runs must run the step
                 return tf.identity(self.iterations)
 
@@ -223,7 +288,7 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
         def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
             pairs: List[Tuple[Any, Any]] = list(grads_and_vars)
             taken = run(lambda g, v: super(cls, self).apply_gradients(list(zip(g, v)), *args, **kwargs),
-                        [g for g, _ in pairs], [v for _, v in pairs])
+                        [g for g, _ in pairs], [v for _, v in pairs], step=self.iterations + 1)
             with tf.control_dependencies([taken]):  # what a graph-mode caller runs must run the step
                 return tf.identity(self.iterations)
 
@@ -238,7 +303,22 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
         raise ValueError("horovod-topk: register_local_var is not supported with TopKEF(target='update'): every "
                          "variable's update is exchanged; use target='gradient' for rank-local variables")
 
+    def update_step(self: Any, gradient: Any, variable: Any, *args: Any) -> Any:
+        """The optimizer's own step of one variable, its velocity first moved so that the step feeds it the
+        squared gradient times the noise share (core.update_mode.KERAS_CALIBRATED: its v update is linear). An
+        embedding's IndexedSlices is summed to its dense gradient first (the share is of that)."""
+        share = run.share_of(variable)
+        if share is not None:
+            gradient = tf.convert_to_tensor(gradient)
+            velocity = _velocity(self, variable)
+            beta_2 = float(self.beta_2)
+            squared = tf.square(tf.cast(gradient, velocity.dtype))
+            velocity.assign_add(squared * (tf.cast(share, velocity.dtype) - 1.0) * ((1.0 - beta_2) / beta_2))
+        return super(cls, self).update_step(gradient, variable, *args)
+
     members.update({"variables": property(variables), "register_local_var": register_local_var,
                     "__module__": base.__module__})
+    if calibrated:
+        members["update_step"] = update_step
     cls = type(base.__name__, (base,), members)
     return cls.from_config(optimizer.get_config())

@@ -21,14 +21,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..core.update_mode import block_count
+from ..core.update_mode import MASK31, SIGN_HASH_MULTIPLIERS, block_count
 
 __all__ = ["block_means", "block_mean_squares", "expand_blocks", "scale_by_blocks", "block_count", "adam_update",
            "update_second_moment", "row_signs", "sketch_into", "noise_shares"]
-
-#: Odd 31-bit multipliers of the rows' sign hash (row_signs): products with 31-bit values stay inside int64.
-_HASH_MULTIPLIERS = (0x5BD1E995 & 0x7FFFFFFF, 0x27D4EB2F, 0x165667B1)
-_MASK31 = 2**31 - 1
 
 
 def _split(flat: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +122,14 @@ def update_second_moment(exp_avg_sq: torch.Tensor, signal: torch.Tensor, beta2: 
 
 
 def row_signs(rows: int, salt: int, device: torch.device) -> torch.Tensor:
-    """``rows`` signs (float32 +-1) drawn from ``salt`` (core.update_mode.sketch_salt) by an integer hash of the row
-    index, computed where the gradient lives: the same on every rank and every device (integer arithmetic in 31-bit
-    steps inside int64, exact everywhere), and no generator state to checkpoint or keep in step."""
+    """``rows`` signs (float32 +-1) drawn from ``salt`` (core.update_mode.sketch_salt) by core.update_mode.row_sign's
+    integer hash of the row index, computed where the gradient lives: the same on every rank and every device
+    (integer arithmetic in 31-bit steps inside int64, exact everywhere), and no generator state to checkpoint or
+    keep in step."""
     x = torch.arange(rows, dtype=torch.int64, device=device)
-    x = (x * _HASH_MULTIPLIERS[0] + (salt & _MASK31)) & _MASK31
-    for multiplier in _HASH_MULTIPLIERS[1:]:
-        x = ((x ^ (x >> 15)) * multiplier) & _MASK31
+    x = (x * SIGN_HASH_MULTIPLIERS[0] + (salt & MASK31)) & MASK31
+    for multiplier in SIGN_HASH_MULTIPLIERS[1:]:
+        x = ((x ^ (x >> 15)) * multiplier) & MASK31
     x = x ^ (x >> 13)
     return ((x >> 7) & 1).to(torch.float32).mul_(2.0).sub_(1.0)
 

@@ -6,7 +6,10 @@ from horovod_topk.core import TopKConfig, fingerprint, mismatch_message
 from horovod_topk.core.update_mode import (
     block_count,
     moments_layout,
+    KERAS_CALIBRATED,
+    resolve_keras_second_moment,
     resolve_second_moment,
+    row_sign,
     shared_moment_hyperparameters,
     sketch_layout,
     sketch_salt,
@@ -124,3 +127,33 @@ def test_update_tensor_names_keep_repeated_names_apart_with_valid_op_name_charac
     assert keys == ["update.a", "update.dense_kernel.dup0", "update.b", "update.dense_kernel.dup1"]
     assert all(re.fullmatch(r"[A-Za-z0-9.][A-Za-z0-9_.\-/>]*", k) for k in keys)  # TensorFlow's op-name rule
     assert update_tensor_names(["x", "y"]) == ["update.x", "update.y"]
+
+
+def test_keras_optimizers_get_the_calibrated_second_moment_where_their_velocity_can_be_moved():
+    adam = "keras.src.optimizers.adam.Adam"
+    assert adam in KERAS_CALIBRATED and "tf_keras.src.optimizers.adamw.AdamW" in KERAS_CALIBRATED
+    assert resolve_keras_second_moment("auto", adam, 0.999, None) == "calibrated"
+    assert resolve_keras_second_moment("calibrated", adam, 0.95, 1) == "calibrated"
+    assert resolve_keras_second_moment("local", adam, 0.999, None) == "local"
+    # "auto" falls back to each rank's own where it cannot calibrate; an explicit "calibrated" is refused by name
+    cannot = [("keras.src.optimizers.sgd.SGD", 0.999, None, "SGD"),
+              ("keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer", None, None, "loss-scale"),
+              ("tf_keras.src.optimizers.legacy.adam.Adam", 0.999, None, "legacy"),
+              (adam, 1.0, None, "beta_2 as a number in \\(0, 1\\), got 1.0"),
+              (adam, lambda: 0.9, None, "beta_2"),
+              (adam, 0.999, 4, "gradient_accumulation_steps=4")]
+    for class_name, beta_2, accumulation, reason in cannot:
+        assert resolve_keras_second_moment("auto", class_name, beta_2, accumulation) == "local"
+        with pytest.raises(ValueError, match=f"second_moment='calibrated'.*{reason}.*second_moment='local'"):
+            resolve_keras_second_moment("calibrated", class_name, beta_2, accumulation)
+    with pytest.raises(ValueError, match="second_moment='shared'.*PyTorch's"):
+        resolve_keras_second_moment("shared", adam, 0.999, None)
+
+
+def test_row_sign_is_balanced_and_independent_across_salts():
+    rows = 20_000
+    a = [row_sign(r, sketch_salt(1, 0)) for r in range(rows)]
+    b = [row_sign(r, sketch_salt(2, 0)) for r in range(rows)]
+    assert set(a) == {-1, 1}
+    for statistic in (sum(a), sum(x * y for x, y in zip(a, b)), sum(x * y for x, y in zip(a[1:], a[:-1]))):
+        assert abs(statistic) < 5 * rows ** 0.5  # 5 sigma of iid signs

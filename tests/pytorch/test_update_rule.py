@@ -72,6 +72,10 @@ def test_row_signs_are_balanced_independent_per_salt_and_reproducible():
     for statistic in (a.mean(), (a * b).mean(), (a[1:] * a[:-1]).mean()):  # 5 sigma of an iid sign
         assert abs(float(statistic)) < 5 / 100_000 ** 0.5
     assert torch.equal(update_rule.row_signs(10, 5, cpu), update_rule.row_signs(1000, 5, cpu)[:10])  # by index
+    from horovod_topk.core.update_mode import row_sign  # the definition TensorFlow vectorises too
+
+    salt = sketch_salt(9, 4)
+    assert update_rule.row_signs(500, salt, cpu).tolist() == [float(row_sign(r, salt)) for r in range(500)]
 
 
 @pytest.mark.parametrize("numel", [1, 40, 64, 65, 1000])
