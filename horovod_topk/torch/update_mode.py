@@ -25,33 +25,16 @@ import functools
 import time
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from ..core import PendingReduction
-from ..core.update_mode import (
-    MOMENTS_NAME,
-    NOISE_SHARE_NAME,
-    NORMALISING_OPTIMIZERS,
-    NONFINITE_NAME,
-    block_count,
-    moments_layout,
-    resolve_second_moment,
-    shared_moment_hyperparameters,
-    sketch_layout,
-    sketch_salt,
-    update_tensor_name,
-)
-from . import update_rule
+from ..core.update_mode import NONFINITE_NAME, NORMALISING_OPTIMIZERS, update_tensor_name
+from .local_updates import LocalUpdates
 
 __all__ = ["UpdateStep", "LocalHandle", "adapt_broadcast_optimizer_state"]
 
-#: What torch.optim.Adam/AdamW keep per parameter (without amsgrad): a state update mode adopts, and the calibrated
-#: second moment's own (each rank's, as a local Adam's would be).
-_ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
-#: The optimizer-state tensors each computed second moment keeps in float32 whatever the parameters' dtype.
-_FLOAT32_KEYS = {"shared": ("shared_exp_avg_sq",), "calibrated": ("exp_avg", "exp_avg_sq")}
 
 
 class LocalHandle:
@@ -94,11 +77,13 @@ class UpdateStep:
         self._skip = False
         #: Steps every rank skipped because some rank's gradient held NaN/Inf.
         self.skipped_steps = 0
-        #: The user's class by module and name (core.update_mode.ADAM_FAMILY is keyed so).
-        self.class_name = f"{self.user_class.__module__}.{self.user_class.__qualname__}"
-        #: "local", "shared" or "calibrated" (TopKConfig.second_moment resolved for this optimizer; refused here,
-        #: before training, when a computed one was asked of an optimizer it cannot compute)
-        self.second_moment = resolve_second_moment(self.config.second_moment, self.class_name, optimizer.param_groups)
+        #: Each rank's local update under the second moment (torch.local_updates), over Horovod's collectives.
+        self.local = LocalUpdates(optimizer, self.user_class, compressor.registry, self.config, scope,
+                                  self._allreduce_sum, lambda: self._process_set().size())
+        #: "local", "shared" or "calibrated" (resolved for this optimizer; refused before training where a computed
+        #: one was asked of an optimizer it cannot compute)
+        self.second_moment = self.local.second_moment
+        self.class_name = self.local.class_name
         from horovod.torch.mpi_ops import Sum
 
         if getattr(optimizer, "op", None) == Sum and self.class_name in NORMALISING_OPTIMIZERS:
@@ -106,7 +91,6 @@ class UpdateStep:
             raise ValueError(f"horovod-topk: TopKEF(target='update') with op=hvd.Sum would apply the sum of P "
                              f"normalised {short} updates (P times the step: its update does not grow with the "
                              f"gradient); use op=hvd.Average")
-        self._keep_float32_state_on_load()
 
     def install(self) -> None:
         """Replace the optimizer instance's ``synchronize`` and ``step`` (its class and Horovod stay as they are)."""
@@ -147,17 +131,7 @@ class UpdateStep:
         adopted an Adam state (its first moments then go to the others too: adapt_broadcast_optimizer_state). The
         calibrated second moment keeps Adam's own keys, each rank's (an Adam state is its own already: nothing to
         adopt beyond float32 copies)."""
-        if self.second_moment == "calibrated":
-            for name, p in self._entries():
-                self._own_state(name, p)
-            return False
-        if self.second_moment != "shared":
-            return False
-        adopted = False
-        for name, p in self._entries():
-            adopted |= set(self.optimizer.state[p]) == _ADAM_KEYS
-            self._shared_state(name, p)
-        return adopted
+        return self.local.initialize_state(self._entries())
 
     def broadcast_first_moments(self, root_rank: int) -> None:
         """Every rank's first moments become ``root_rank``'s (after root adopted a gradient-mode Adam state, where
@@ -167,7 +141,7 @@ class UpdateStep:
         if not self._process_set().included():  # a rank outside the optimizer's process set holds no first moments
             return
         for name, p in self._entries():
-            moment = self._first_moment(name, p)
+            moment = self.local.first_moment(name, p)
             hvd.broadcast_(moment, root_rank=root_rank, name="topk.update.first_moment." + self.scope + name,
                            process_set=self._process_set())
 
@@ -239,212 +213,12 @@ class UpdateStep:
             self._skip = False
             self.skipped_steps += 1
             return None
-        if self.second_moment in ("shared", "calibrated"):
-            compute = self._shared_moment_updates if self.second_moment == "shared" else self._calibrated_updates
-            updates = compute(entries)
-            if updates is None:  # the gradients changed after synchronize() and some rank's are non-finite now
-                self.skipped_steps += 1
-                return None
-        else:
-            updates = self._local_updates(entries)
+        updates = self.local.compute(entries)
+        if updates is None:  # the gradients changed after synchronize() and some rank's are non-finite now
+            self.skipped_steps += 1
+            return None
         self._exchange_and_apply(entries, updates)
         return None
-
-    def _shared_moment_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> Optional[List[torch.Tensor]]:
-        """Each parameter's Adam/AdamW update under the shared block second moment, from this rank's gradient and
-        first moment; None when some rank's gradient is non-finite (every rank returns None alike)."""
-        block = self.config.second_moment_block
-        layout = moments_layout([p.numel() for _, p in entries], block)
-        hyper, group_of = self._hyperparameters()
-        device = entries[0][1].device if entries else torch.device("cpu")
-        squares = torch.zeros(layout.numel, dtype=torch.float32, device=device)
-        for (offset, count), (_, p) in zip(layout.spans, entries):
-            _, _, _, _, weight_decay, decoupled = hyper[group_of[id(p)]]
-            gradient = self._gradient(p)
-            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
-                gradient = gradient.add(p.detach(), alpha=weight_decay)
-            squares[offset:offset + count] = update_rule.block_mean_squares(gradient, block).to(device)
-        world_size = self._process_set().size()
-        shared = self._allreduce_sum(squares, MOMENTS_NAME)
-        self._count_bytes(entries, [4 * count for _, count in layout.spans])
-        if not bool(torch.isfinite(shared).all()):  # a NaN/Inf gradient entry anywhere makes its block non-finite
-            return None
-        shared /= world_size
-        updates = []
-        for (offset, count), (name, p) in zip(layout.spans, entries):
-            lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
-            state = self._shared_state(name, p)
-            state["step"] += 1
-            update_rule.update_second_moment(state["shared_exp_avg_sq"], shared[offset:offset + count].to(p.device),
-                                             beta2)
-            updates.append(update_rule.adam_update(
-                p.detach(), self._gradient(p), self._first_moment(name, p), state["shared_exp_avg_sq"],
-                int(state["step"]), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                decoupled=decoupled, block=block,
-            ))
-        return updates
-
-    def _hyperparameters(self) -> Tuple[Dict[int, Tuple[float, float, float, float, float, bool]], Dict[int, int]]:
-        """Each parameter group's (lr, beta1, beta2, eps, weight_decay, decoupled), read once per step (no
-        per-tensor host reads), and the group of each parameter (by id)."""
-        hyper = {id(group): shared_moment_hyperparameters(self.class_name, group, self.second_moment)
-                 for group in self.optimizer.param_groups}
-        group_of = {id(p): id(group) for group in self.optimizer.param_groups for p in group["params"]}
-        return hyper, group_of
-
-    def _calibrated_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> Optional[List[torch.Tensor]]:
-        """Each parameter's Adam/AdamW update from this rank's own moments, its second moment fed the squared
-        gradient times the tensor's noise share (core.update_mode: one allreduce of every tensor's sketch and
-        squared norm); None when some rank's gradient is non-finite (every rank returns None alike)."""
-        layout = sketch_layout(len(entries), self.config.second_moment_sketch)
-        hyper, group_of = self._hyperparameters()
-        device = entries[0][1].device if entries else torch.device("cpu")
-        contributions = torch.zeros(layout.tensors, layout.width + 1, dtype=torch.float32, device=device)
-        # The signs' step: the optimizer's step about to be taken, the same on every rank and in a checkpoint
-        # (broadcast at start, moved alike), so a resumed job draws the signs the uninterrupted one would.
-        step = int(self._own_state(*entries[0])["step"]) + 1 if entries else 0
-        gradients = []
-        for position, (name, p) in enumerate(entries):
-            _, _, _, _, weight_decay, decoupled = hyper[group_of[id(p)]]
-            gradient = self._gradient(p)
-            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
-                gradient = gradient.add(p.detach(), alpha=weight_decay)
-            gradients.append(gradient)
-            update_rule.sketch_into(contributions[position], gradient.to(device), sketch_salt(step, position))
-        summed = self._allreduce_sum(contributions.view(-1), NOISE_SHARE_NAME)
-        self._count_bytes(entries, [4 * (layout.width + 1)] * len(entries))
-        if not bool(torch.isfinite(summed).all()):  # a NaN/Inf gradient entry anywhere makes its sketch non-finite
-            return None
-        shares = update_rule.noise_shares(summed.view(layout.tensors, layout.width + 1), self._process_set().size())
-        updates = []
-        for position, ((name, p), gradient) in enumerate(zip(entries, gradients)):
-            lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
-            state = self._own_state(name, p)
-            state["step"] += 1
-            share = shares[position]
-            self.compressor.registry.record(update_tensor_name(self.scope + name), tuple(p.shape)).noise_share = share
-            squared = gradient.float().square().mul_(share.to(p.device))
-            update_rule.update_second_moment(state["exp_avg_sq"], squared, beta2)
-            updates.append(update_rule.adam_update(
-                p.detach(), gradient, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), lr=lr, beta1=beta1,
-                beta2=beta2, eps=eps, weight_decay=weight_decay if decoupled else 0.0, decoupled=decoupled,
-            ))
-        return updates
-
-    def _own_state(self, name: str, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
-        """This rank's own Adam state of ``p`` under the calibrated second moment, in Adam's keys (the step as a
-        float32 host tensor, the moments in float32 shaped as ``p``): created on first use, or continued from an
-        Adam/AdamW state (a gradient-mode or "local" checkpoint: the same quantities), cast to float32."""
-        state = self.optimizer.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        elif set(state) != _ADAM_KEYS:
-            raise ValueError(
-                f"horovod-topk: the optimizer's state of {name!r} holds {sorted(state)}, not Adam's; the calibrated "
-                f"second moment starts from a fresh optimizer state or an Adam/AdamW state (of gradient mode, "
-                f"second_moment='local' or its own).")
-        for key in ("exp_avg", "exp_avg_sq"):
-            value = state[key]
-            if value.shape != p.shape:
-                raise ValueError(f"horovod-topk: the optimizer's {key} of {name!r} is shaped {tuple(value.shape)}, "
-                                 f"the parameter {tuple(p.shape)} (a state of another model?)")
-            if value.dtype != torch.float32 or value.device != p.device:
-                state[key] = value.to(device=p.device, dtype=torch.float32)
-        if not torch.is_tensor(state["step"]) or state["step"].device.type != "cpu":  # fused Adam: on the device
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().clone()
-        return state
-
-    def _shared_state(self, name: str, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
-        """What every rank holds alike, in the optimizer's state of ``p`` (so the usual rank-0 optimizer checkpoint
-        saves it): the step (a float32 tensor on the host, as torch keeps it: read without a device sync) and the
-        shared block second moment (float32) -- created on first use, or adopted from Adam's own state."""
-        blocks = block_count(p.numel(), self.config.second_moment_block)
-        state = self.optimizer.state[p]
-        if "shared_exp_avg_sq" not in state:
-            if set(state) == _ADAM_KEYS:
-                self._adopt_adam_state(name, p, state)
-            elif len(state) != 0:
-                raise ValueError(
-                    f"horovod-topk: the optimizer's state of {name!r} holds {sorted(state)}, neither Adam's nor "
-                    f"update mode's; update mode's shared second moment starts from a fresh optimizer state, an "
-                    f"Adam/AdamW state, or one it saved itself.")
-            else:
-                state["step"] = torch.tensor(0.0)
-                state["shared_exp_avg_sq"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-        elif state["shared_exp_avg_sq"].numel() != blocks:
-            raise ValueError(f"horovod-topk: the shared second moment of {name!r} has "
-                             f"{state['shared_exp_avg_sq'].numel()} blocks, the parameter needs {blocks} "
-                             f"(another second_moment_block or another model?)")
-        if state["step"].device.type != "cpu":  # fused/capturable Adam keeps it on the device
-            state["step"] = state["step"].cpu()
-        return state
-
-    def _adopt_adam_state(self, name: str, p: torch.nn.Parameter, state: Dict[str, torch.Tensor]) -> None:
-        """Continue from Adam's own state of ``p`` (a gradient-mode checkpoint): its second moment averaged over
-        each block becomes the shared one, its first moment this rank's, its step the step. A gradient-mode Adam
-        state is the same on every rank (made from the averaged gradient), so the shared second moment is too;
-        loaded on one rank only, broadcast_optimizer_state sends the adopted state to the others
-        (adapt_broadcast_optimizer_state)."""
-        first_moment = self._first_moment(name, p)
-        if not bool(first_moment.any()):  # a record of its own (a checkpoint of update mode) takes precedence
-            first_moment.copy_(state["exp_avg"].float())
-        state["shared_exp_avg_sq"] = update_rule.block_means(state["exp_avg_sq"], self.config.second_moment_block)
-        state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().clone()
-        del state["exp_avg"], state["exp_avg_sq"]
-
-    def _keep_float32_state_on_load(self) -> None:
-        """torch's Optimizer.load_state_dict casts every state tensor but ``step`` to its parameter's dtype: a
-        float16/bfloat16 model would get half-precision moments (in bfloat16 ``v * 0.999 == v``). The load's
-        pre-hook keeps the incoming float32 values of the computed second moment's keys, its post-hook puts them
-        back."""
-        keys = _FLOAT32_KEYS.get(self.second_moment, ())
-        kept: Dict[Tuple[int, str], torch.Tensor] = {}
-
-        def keep(optimizer: Any, state_dict: Dict[str, Any]) -> None:
-            kept.clear()
-            for index, values in state_dict.get("state", {}).items():
-                for key in keys:
-                    value = values.get(key) if isinstance(values, dict) else None
-                    if torch.is_tensor(value):
-                        kept[index, key] = value.float().clone()
-
-        def restore(optimizer: Any) -> None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            for (index, key), value in kept.items():
-                if index < len(params) and key in optimizer.state[params[index]]:
-                    optimizer.state[params[index]][key] = value.to(params[index].device)
-            kept.clear()
-
-        self.optimizer.register_load_state_dict_pre_hook(keep)
-        self.optimizer.register_load_state_dict_post_hook(restore)
-
-    def _first_moment(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
-        """This rank's own first moment (float32, shaped as ``p``), kept in the compressor's record of the update
-        next to its residual: both are this rank's alone, so the compressor's per-rank checkpoints (state_dict,
-        gather_state, elastic) carry them, and on another world size each new rank gets the mean of the saved ones
-        -- the averaged first moment, which is what the averaged update is made of."""
-        record = self.compressor.registry.record(update_tensor_name(self.scope + name), tuple(p.shape))
-        if record.momentum is None:
-            record.momentum = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-        elif record.momentum.device != p.device or record.momentum.dtype != torch.float32:
-            record.momentum = record.momentum.to(device=p.device, dtype=torch.float32)
-        if record.momentum.numel() != p.numel():
-            raise ValueError(f"horovod-topk: the first moment of {name!r} has {record.momentum.numel()} elements, the "
-                             f"parameter {p.numel()} (a state_dict of another model?)")
-        return record.momentum.view(p.shape)
-
-    def _local_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> List[torch.Tensor]:
-        """The user's optimizer steps on this rank's gradient; each update is parameters before minus after (float32),
-        and the parameters are put back to before, where every rank holds the same values."""
-        with torch.no_grad():
-            before = [p.detach().clone() for _, p in entries]
-            self.user_class.step(self.optimizer)
-            updates = [_difference(b, p.detach()) for b, (_, p) in zip(before, entries)]
-            for b, (_, p) in zip(before, entries):
-                p.copy_(b)
-        return updates
 
     def _exchange_and_apply(self, entries: List[Tuple[str, torch.nn.Parameter]], updates: List[torch.Tensor]) -> None:
         """Every update through the compressor's exchange (dense allreduce where core's plan says dense); then
@@ -480,14 +254,6 @@ class UpdateStep:
                 p.sub_(applied.view_as(p).to(p.dtype))
         if self.compressor.auto is not None:  # ratio="auto" measures what the step waits for the updates
             self.compressor.auto.waited(time.perf_counter() - waiting)
-
-
-def _difference(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """``before - after`` as a float32 update, subtracted in float32 or the parameters' own wider dtype: half
-    precision values are exact in float32, and a float64 model's small steps would round away in float32 before the
-    subtraction."""
-    wide = torch.promote_types(before.dtype, torch.float32)
-    return (before.to(wide) - after.to(wide)).float()
 
 
 def adapt_broadcast_optimizer_state() -> None:
