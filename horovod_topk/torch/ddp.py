@@ -22,8 +22,8 @@ reverse parameter order, so the names are the same on every rank and in every jo
 This module imports no Horovod: a DDP user needs torch and horovod-topk only.
 
 ``ratio="auto"`` chooses the density from the job's own measurements as under Horovod (core.autodensity); the
-hook's probes and step clock are torch.ddp_auto's. What it does not do (refused by name): ``target="update"`` (the
-hook sees gradients, never the optimizer's step: use Horovod's DistributedOptimizer for update mode).
+hook's probes and step clock are torch.ddp_auto's. ``target="update"`` (each rank steps its own optimizer, the
+updates travel) takes the hook and the optimizer together: torch.ddp_update.
 
 The sparse allreduce's alltoall is waited for inside the hook (its owners' sums must be computed before their
 allgather starts, and every collective is issued from the hook's thread so that all ranks issue them in one
@@ -47,7 +47,7 @@ from .dist_collectives import all_gather_single as _all_gather_single
 from .selection import dtype_token
 from .state import TorchResiduals
 
-__all__ = ["TopKEFState", "topk_ef_hook", "gather_state", "restore_state"]
+__all__ = ["TopKEFState", "topk_ef_hook", "gather_state", "restore_state", "update_mode_optimizer"]
 
 class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
     """The state of :func:`topk_ef_hook`: configuration, residuals by parameter, statistics, checkpoints.
@@ -76,10 +76,10 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
     ) -> None:
         super().__init__(ratio, **kwargs)
         config = self.config
-        if config.target != "gradient":
-            raise ValueError("horovod-topk: target='update' is not available in the DDP hook: a communication hook "
-                             "sees gradients, never the optimizer's step. Use target='gradient' here, or Horovod's "
-                             "hvd.DistributedOptimizer(..., compression=TopKEF(target='update')).")
+        if config.target == "update" and config.auto:
+            raise ValueError("horovod-topk: ratio='auto' with target='update' is not available in the DDP hook (its "
+                             "clock times gradient buckets, and update mode exchanges after the step); give a ratio, "
+                             "or use Horovod's hvd.DistributedOptimizer for both")
         #: The process group DDP reduces over (None: the default group). Not part of any checkpoint.
         self.process_group = process_group
         #: id(parameter) -> (weak reference, name): residuals follow parameters, not DDP's bucket indices.
@@ -195,6 +195,10 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
     DDP's default allreduce does it (divide, then sum), bit for bit.
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
+    if state.config.target == "update":  # the gradient stays here; the optimizer's step exchanges updates
+        from .ddp_update import hold
+
+        return hold(state, bucket, group)
     if state._clock is not None:
         state._clock.bucket(state, bucket, group)
         return state._clock.launched(bucket, _reduce(state, bucket, group))
@@ -212,7 +216,14 @@ def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any) -> torch.fu
         state._verified.add(plan.name)
     record = state.registry.records.get(plan.members[0].name)
     state._report_if_due(record.steps if record is not None else 0, dist.get_rank(group))
-    step = BucketStep(state, plan, buffer, shapes, world_size)
+    return launch(state, BucketStep(state, plan, buffer, shapes, world_size), group)
+
+
+def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Future[torch.Tensor]:
+    """A bucket's collectives (one allgather, the sparse allreduce's alltoall and allgather, one allreduce of the
+    dense members), launched; the Future of its averaged values written over its buffer."""
+    world_size = step.world_size
+    buffer = step.buffer
     state.buckets_reduced += 1
     if step.all_dense:
         return (dist.all_reduce(buffer, group=group, async_op=True).get_future()
@@ -304,3 +315,7 @@ def gather_state(state: TopKEFState, root_rank: int = 0) -> Optional[Dict[str, A
 def restore_state(state: TopKEFState, checkpoint: Optional[Mapping[str, Any]], root_rank: int = 0) -> None:
     """Collective: load a :func:`gather_state` checkpoint held by ``root_rank`` (the other ranks may pass None)."""
     core_checkpoint.restore_state(state, checkpoint, _transport(state), root_rank, "average")
+
+
+# update mode's optimizer side lives in its own module (it imports this one's launch lazily)
+from .ddp_update import update_mode_optimizer  # noqa: E402
