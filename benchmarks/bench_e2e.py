@@ -81,11 +81,11 @@ def compression_for(method: str):
     if method in ("dense", "fp16"):
         return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
     if method == "auto":  # ratio="auto" with its defaults (budget 0.1)
-        return TopKEF(ratio="auto")
+        return TopKEF(ratio="auto", target="gradient")
     if method.startswith("update"):  # update mode: each rank's own optimizer steps, its update travels
         return TopKEF(ratio=float(method[len("update"):]), target="update", second_moment="local")
     ratio, _, exchange = method[len("topk"):].partition("-")
-    return TopKEF(ratio=float(ratio), exchange=exchange or "auto")
+    return TopKEF(ratio=float(ratio), exchange=exchange or "auto", target="gradient")  # gradient mode, named
 
 
 def worker(method: str, steps: int, warmup: int, model_name: str) -> None:

@@ -43,7 +43,7 @@ def worker(method: str, width: int, steps: int, warmup: int) -> None:
     model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
     compression = {
         "dense": hvd.Compression.none,
-        "gradient0.01": TopKEF(ratio=0.01),
+        "gradient0.01": TopKEF(ratio=0.01, target="gradient"),
         "update0.01": TopKEF(ratio=0.01, target="update", second_moment="local"),  # each rank's own AdamW
         "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated"),
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),

@@ -414,3 +414,23 @@ def test_calibrated_error_feedback_invariant_from_the_state_the_step_left():
         assert np.abs(total_new).sum() > 0
         assert _same_on_every_rank(_weights(model), f"calibrated.identical.{i}")
     assert not _same_on_every_rank(_velocities(optimizer, model.trainable_variables), "calibrated.own.velocity")
+
+
+def test_the_default_target_exchanges_adams_updates_and_sgds_gradients():
+    """target="auto" (the default): Keras's Adam trains in update mode (its residuals are keyed update.<variable>),
+    SGD in gradient mode; a gradient tape, which never sees the step, takes the default without refusing it."""
+    keys = {}
+    for name, user in (("adam", keras.optimizers.Adam(1e-2)), ("sgd", keras.optimizers.SGD(0.1))):
+        model = _model()
+        compressor = TopKEF(ratio=0.05, min_numel=256)
+        # model.fit: Horovod's Keras 2 wrapper averages gradients on fit's path (a custom loop takes the tape)
+        model.compile(optimizer=_wrap(user, compressor), loss=_loss_fn())
+        x, y = _batches(1, hvd.rank())[0]
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        keys[name] = sorted(_residuals(compressor))
+        assert _same_on_every_rank(_weights(model), f"default.{name}"), (name, keys[name])
+    assert keys["adam"] and all(k.startswith("update.") for k in keys["adam"])
+    assert keys["sgd"] and not any(k.startswith("update.") for k in keys["sgd"])
+    with tf.GradientTape() as tape:
+        tf.reduce_sum(tf.Variable(1.0) * 2.0)
+    hvd.DistributedGradientTape(tape, compression=TopKEF())

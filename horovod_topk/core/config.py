@@ -26,9 +26,12 @@ VALUE_DTYPES = (None, "float32", "float16", "bfloat16", "float8")
 #: (core.encoding).
 INDEX_BITS = (32, 16)
 
-#: What is compressed and exchanged: each rank's gradient (the optimizer then steps on the average), or each rank's
-#: own optimizer update (core.update_mode).
-TARGETS = ("gradient", "update")
+#: What is compressed and exchanged: each rank's gradient (the optimizer then steps on the average), each rank's
+#: own optimizer update (core.update_mode), or "auto": the update for the Adam family, where it trains better at
+#: the same bytes, the gradient elsewhere (core.update_mode.resolve_target).
+TARGETS = ("gradient", "update", "auto")
+#: The default target.
+DEFAULT_TARGET = "auto"
 #: Update mode's second moment: "local" -- each rank's optimizer as it is; "shared" -- one per block of entries, the
 #: same on every rank; "calibrated" -- each rank's own per entry, fed its squared gradient times the tensor's share of
 #: it that survives averaging over ranks (both Adam/AdamW computed by horovod-topk from the user's optimizer's
@@ -105,8 +108,11 @@ class TopKConfig:
             A 100x gradient spike otherwise sits in the residual and crowds fresh gradients out of the payloads for
             ~75 steps (benchmarks/fault_study.py spike). Like gradient clipping it departs from what dense training
             would apply on such a step. Costs one read of the gradient per step. None (default): off.
-        target (str): what is compressed. "gradient" (default): each rank's gradient; the user's optimizer steps on
-            the average. "update": no gradient collective runs; each rank steps the optimizer on its own gradient,
+        target (str): what is compressed. "auto" (default): "update" for Adam/AdamW (torch's and Keras's) where the
+            wrapper sees the optimizer (Horovod's DistributedOptimizer, the Keras wrappers; under DDP where
+            ``update_mode_optimizer`` wraps it), "gradient" for every other optimizer, for gradient tapes and hand
+            allreduces, and with momentum or spike_guard (core.update_mode.resolve_target). "gradient": each rank's
+            gradient; the user's optimizer steps on the average. "update": no gradient collective runs; each rank steps the optimizer on its own gradient,
             and what travels (error feedback, selection, the same exchanges) is its update, parameters before minus
             after; every rank then applies the average of the applied updates, bit-identical on every rank. For
             Adam-family optimizers, which normalise each coordinate: a coordinate sent once every L steps as a
@@ -154,7 +160,7 @@ class TopKConfig:
     exchange: str = "auto"
     log_every: int = 0
     collective_latency_bytes: int = COLLECTIVE_LATENCY_BYTES
-    target: str = "gradient"
+    target: str = DEFAULT_TARGET
     second_moment: str = DEFAULT_SECOND_MOMENT
     second_moment_block: int = DEFAULT_SECOND_MOMENT_BLOCK
     second_moment_sketch: int = DEFAULT_SECOND_MOMENT_SKETCH
@@ -223,8 +229,8 @@ class TopKConfig:
                                           or self.second_moment_block != DEFAULT_SECOND_MOMENT_BLOCK
                                           or self.second_moment_sketch != DEFAULT_SECOND_MOMENT_SKETCH):
             raise ValueError("second_moment, second_moment_block and second_moment_sketch apply to target='update' "
-                             "only (with target='gradient' the optimizer keeps its own moments of the averaged "
-                             "gradient)")
+                             "only, or 'auto' (with target='gradient' the optimizer keeps its own moments of the "
+                             "averaged gradient)")
         if self.target == "update" and self.momentum > 0:
             raise ValueError("momentum (DGC momentum correction) applies to target='gradient'; with "
                              "target='update' the optimizer's own momentum acts before compression")

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from ..core import PendingReduction, group_member_name, pending_of, refuse_unsupported_op
-from ..core.update_mode import TAPE_REFUSAL, TENSORFLOW_REFUSAL
+from ..core.update_mode import TAPE_REFUSAL, TENSORFLOW_REFUSAL, resolve_target
 from . import keras3, update_mode
 from .compressor import TopKEF
 
@@ -32,12 +32,23 @@ def _uses_topk(compression: Any) -> bool:
     return isinstance(compression, TopKEF) or (isinstance(compression, type) and issubclass(compression, TopKEF))
 
 
+def _compressor(compression: Any) -> Any:
+    return compression if isinstance(compression, TopKEF) else compression.default()
+
+
 def _update_mode(compression: Any) -> bool:
-    """Whether ``compression`` is a TopKEF in update mode (core.update_mode)."""
+    """Whether ``compression`` is a TopKEF asked for update mode by name (``target="update"``: refused where the
+    step is not seen; ``"auto"`` keeps gradient mode there)."""
+    return _uses_topk(compression) and _compressor(compression).config.target == "update"
+
+
+def _keras_target(compression: Any, optimizer: Any, blockers: Sequence[str] = ()) -> str:
+    """TopKConfig.target resolved for a Keras ``optimizer`` (core.update_mode.resolve_target; a loss-scale
+    optimizer counts as the optimizer it wraps): "update" or "gradient"."""
     if not _uses_topk(compression):
-        return False
-    compressor = compression if isinstance(compression, TopKEF) else compression.default()
-    return compressor.config.target == "update"
+        return "gradient"
+    inner = type(getattr(optimizer, "inner_optimizer", optimizer))
+    return resolve_target(_compressor(compression).config, f"{inner.__module__}.{inner.__qualname__}", blockers)
 
 
 def _refuse_update_mode(compression: Any, message: str) -> None:
@@ -132,10 +143,14 @@ def install() -> None:
             compression = argument(args, kwargs, "compression", compression_index)
             op = argument(args, kwargs, "op", op_index)
             refuse_unsupported_op(_uses_topk(compression), op, Average, Sum, Adasum)
-            if not sees_steps(argument(args, kwargs, "optimizer", 0)):
+            optimizer = argument(args, kwargs, "optimizer", 0)
+            if not sees_steps(optimizer):
                 _refuse_update_mode(compression, update_refusal)
-            elif _update_mode(compression) and op not in (None, Average):  # Horovod drops op on its way to Keras
-                raise ValueError(update_mode.SUM_REFUSAL)
+            elif op not in (None, Average) and _keras_target(compression, optimizer) == "update":
+                # Horovod drops op on its way to the Keras wrapper: refused here, where it is still seen
+                raise ValueError(update_mode.SUM_REFUSAL + (" (target='auto' picks update mode for this "
+                                 "optimizer: pass target='gradient' to reduce gradients with this op)"
+                                 if not _update_mode(compression) else ""))
             return adapt(constructor(*args, **kwargs))
         return wrapper
 
@@ -145,7 +160,10 @@ def install() -> None:
     def create_distributed_optimizer(**kwargs: Any) -> Any:
         """What both DistributedOptimizers build a Keras optimizer with (Horovod 0.28.1 passes keywords only)."""
         refuse_unsupported_op(_uses_topk(kwargs.get("compression")), kwargs.get("op"), Average, Sum, Adasum)
-        if _update_mode(kwargs.get("compression")):
+        bpps = kwargs.get("backward_passes_per_step", 1)
+        blockers = [] if _update_mode(kwargs.get("compression")) else (
+            (["backward_passes_per_step"] if bpps != 1 else []) + (["op"] if kwargs.get("op", Average) != Average else []))
+        if _keras_target(kwargs.get("compression"), kwargs.get("optimizer"), blockers) == "update":
             return update_mode.distributed_optimizer(
                 kwargs["optimizer"], compression=kwargs["compression"],
                 process_set=kwargs.get("process_set", global_process_set), op=kwargs.get("op", Average),

@@ -140,6 +140,9 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         #: exchange that holds a bucket's payloads until its last member arrives (torch.buckets).
         self.bucket_table = BucketTable()
         self._bucketed = BucketedExchange(self.bucket_table, self._sparse, self)
+        #: The scopes (core.scopes) of the optimizers that run update mode (TopKConfig.target resolved for each by
+        #: core.update_mode.resolve_target when it was wrapped): their gradients stay on their rank.
+        self.update_scopes: Set[str] = set()
         #: Names of gradients held in update mode whose first-step agreement check has started (again after a load,
         #: as for every record; the update's own record is keyed by parameter name, not by these names).
         self._held_verified: Set[str] = set()
@@ -162,10 +165,10 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         """Start the compressed reduction of the gradient ``tensor`` called ``name``; None if it must go dense.
 
         The caller issues the dense allreduce itself for a None, so that dense tensors of a group stay one
-        grouped collective. With ``target="update"`` the gradient stays on this rank (torch.update_mode exchanges
-        the update after the local step).
+        grouped collective. For an optimizer in update mode the gradient stays on this rank (torch.update_mode
+        exchanges the update after the local step).
         """
-        if self.config.target == "update":
+        if pending.scope in self.update_scopes:
             return self._hold_local(tensor, pending, name, process_set)
         return self.start_exchange(tensor, pending, name, op=op, prescale_factor=prescale_factor,
                                    postscale_factor=postscale_factor, process_set=process_set)

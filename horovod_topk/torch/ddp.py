@@ -80,6 +80,9 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
             raise ValueError("horovod-topk: ratio='auto' with target='update' is not available in the DDP hook (its "
                              "clock times gradient buckets, and update mode exchanges after the step); give a ratio, "
                              "or use Horovod's hvd.DistributedOptimizer for both")
+        #: "update" where the hook holds the gradients for update mode's optimizer (target="update", or "auto" once
+        #: update_mode_optimizer resolved it for an Adam optimizer: torch.ddp_update), else "gradient".
+        self.target = "update" if config.target == "update" else "gradient"
         #: The process group DDP reduces over (None: the default group). Not part of any checkpoint.
         self.process_group = process_group
         #: id(parameter) -> (weak reference, name): residuals follow parameters, not DDP's bucket indices.
@@ -195,7 +198,7 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
     DDP's default allreduce does it (divide, then sum), bit for bit.
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    if state.config.target == "update":  # the gradient stays here; the optimizer's step exchanges updates
+    if state.target == "update":  # the gradient stays here; the optimizer's step exchanges updates
         from .ddp_update import hold
 
         return hold(state, bucket, group)

@@ -32,7 +32,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core.update_mode import NONFINITE_NAME, update_tensor_name
+from ..core.update_mode import NONFINITE_NAME, resolve_target, update_tensor_name
 from .bucket_step import BucketStep
 from .local_updates import LocalUpdates
 
@@ -71,9 +71,10 @@ class DDPUpdateStep:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
-        if state.config.target != "update":
-            raise ValueError("horovod-topk: update_mode_optimizer needs TopKEFState(target='update'); with the "
-                             "default target='gradient' the hook averages gradients and the optimizer steps as is")
+        if state.target != "update":
+            raise ValueError("horovod-topk: update_mode_optimizer needs TopKEFState(target='update'), or 'auto' "
+                             "with an Adam/AdamW optimizer; with target='gradient' the hook averages gradients and "
+                             "the optimizer steps as is")
         self.optimizer = optimizer
         self.state = state
         self.group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -178,6 +179,20 @@ class DDPUpdateStep:
 
 def update_mode_optimizer(optimizer: torch.optim.Optimizer, state: Any) -> torch.optim.Optimizer:
     """Make ``optimizer`` (over the DDP model's parameters) take update mode's step with the hook's ``state``
-    (``TopKEFState(target="update")``, registered with ``topk_ef_hook``); returns the same object. Wrap it before
-    building a learning-rate scheduler on it (schedulers wrap ``optimizer.step``)."""
+    (registered with ``topk_ef_hook``); returns the same object. With ``TopKEFState(target="update")`` always; with
+    ``target="auto"`` (the default) where core.update_mode.resolve_target picks update mode for this optimizer
+    (Adam/AdamW; not with ratio="auto", which the hook measures on gradient buckets) -- otherwise the optimizer is
+    returned as it is and the hook keeps averaging gradients. Call it before the first backward (the hook decides
+    per bucket what to do with the gradients) and before building a learning-rate scheduler on the optimizer
+    (schedulers wrap ``optimizer.step``)."""
+    if state.config.target == "auto" and state.target != "update":
+        user_class = type(optimizer)
+        blockers = ["ratio='auto'"] if state.config.auto else []
+        if resolve_target(state.config, f"{user_class.__module__}.{user_class.__qualname__}", blockers) != "update":
+            return optimizer
+        if any(record.steps for _, record in state.registry):
+            raise ValueError("horovod-topk: update_mode_optimizer must wrap the optimizer before the first backward: "
+                             "the hook has already averaged gradients (target='auto' picks update mode for "
+                             f"{user_class.__name__}); or pass target='gradient' to TopKEFState")
+        state.target = "update"
     return DDPUpdateStep(optimizer, state).install()

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core import group_member_name, pending_of, refuse_unsupported_op
+from ..core.update_mode import NORMALISING_OPTIMIZERS, resolve_target
 from .auto_density import install_wait_timer
 from .compressor import TopKEF, TopKHandle
 from .buckets import BucketMemberHandle
@@ -246,14 +247,19 @@ def install() -> None:
         scope = compressor.scope_for(_named_parameters(optimizer, arguments["named_parameters"]))
         arguments["compression"] = ScopedCompression(compressor, scope)
         distributed = horovod_distributed_optimizer(*bound.args, **bound.kwargs)
-        if compressor.config.target == "gradient":
+        user_class = type(optimizer)
+        class_name = f"{user_class.__module__}.{user_class.__qualname__}"
+        sums = arguments["op"] == Sum and class_name in NORMALISING_OPTIMIZERS  # update mode refuses it: see there
+        target = resolve_target(compressor.config, class_name, ["op=hvd.Sum"] if sums else [])
+        if target == "gradient":
             groups = _horovod_groups(distributed)
             if groups is not None:  # the user's groups= are the buckets (one grouped call each in Horovod)
                 compressor.add_group_buckets(groups, scope)
             else:
                 compressor.add_buckets(_named_parameters(optimizer, arguments["named_parameters"]), scope)
-        if compressor.config.target == "update":  # the step exchanges updates (torch.update_mode)
+        if target == "update":  # the step exchanges updates (torch.update_mode)
             UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize).install()
+            compressor.update_scopes.add(scope)
         elif compressor.auto is not None:  # ratio="auto" measures what the step waits for its gradients
             install_wait_timer(distributed, compressor.auto)
         return distributed

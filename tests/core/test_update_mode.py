@@ -4,6 +4,8 @@ import pytest
 
 from horovod_topk.core import TopKConfig, fingerprint, mismatch_message
 from horovod_topk.core.update_mode import (
+    AUTO_UPDATE_OPTIMIZERS,
+    resolve_target,
     block_count,
     moments_layout,
     KERAS_CALIBRATED,
@@ -27,10 +29,10 @@ ADAM, ADAMW = "torch.optim.adam.Adam", "torch.optim.adamw.AdamW"
     ({"target": "update", "second_moment": "calibrate"}, "second_moment must be one of"),
     ({"target": "update", "second_moment_block": 0}, "second_moment_block must be a positive integer"),
     ({"target": "update", "second_moment_block": True}, "second_moment_block must be a positive integer"),
-    ({"second_moment": "shared"}, "apply to target='update' only"),
-    ({"second_moment_block": 64}, "apply to target='update' only"),
-    ({"second_moment": "calibrated"}, "apply to target='update' only"),
-    ({"second_moment_sketch": 32}, "apply to target='update' only"),
+    ({"target": "gradient", "second_moment": "shared"}, "apply to target='update' only"),
+    ({"target": "gradient", "second_moment_block": 64}, "apply to target='update' only"),
+    ({"target": "gradient", "second_moment": "calibrated"}, "apply to target='update' only"),
+    ({"target": "gradient", "second_moment_sketch": 32}, "apply to target='update' only"),
     ({"target": "update", "second_moment_sketch": 0}, "second_moment_sketch must be a positive integer"),
     ({"target": "update", "second_moment_sketch": 1.5}, "second_moment_sketch must be a positive integer"),
     ({"target": "update", "momentum": 0.9}, "momentum"),
@@ -77,7 +79,7 @@ def test_the_agreement_covers_the_mode_and_the_second_moment():
     def row(config):
         return fingerprint(config, (64, 64), "float32", 0, 41, "allgather")
 
-    gradient, update = TopKConfig(), TopKConfig(target="update", second_moment="shared")
+    gradient, update = TopKConfig(target="gradient"), TopKConfig(target="update", second_moment="shared")
     message = mismatch_message("fc.weight", [row(gradient), row(update)])
     assert "target (rank 0: 'gradient', rank 1: 'update')" in message
     local = TopKConfig(target="update", second_moment="local")
@@ -157,3 +159,18 @@ def test_row_sign_is_balanced_and_independent_across_salts():
     assert set(a) == {-1, 1}
     for statistic in (sum(a), sum(x * y for x, y in zip(a, b)), sum(x * y for x, y in zip(a[1:], a[:-1]))):
         assert abs(statistic) < 5 * rows ** 0.5  # 5 sigma of iid signs
+
+
+def test_target_auto_exchanges_updates_for_the_adam_family_only():
+    assert TopKConfig().target == "auto"
+    auto = TopKConfig()
+    for adam in (ADAM, ADAMW, "keras.src.optimizers.adamw.AdamW", "tf_keras.src.optimizers.adam.Adam"):
+        assert adam in AUTO_UPDATE_OPTIMIZERS and resolve_target(auto, adam) == "update"
+    for other in ("torch.optim.sgd.SGD", "keras.src.optimizers.sgd.SGD", "torch.optim.rmsprop.RMSprop", None):
+        assert resolve_target(auto, other) == "gradient"
+    assert resolve_target(auto, ADAM, ["op=hvd.Sum"]) == "gradient"  # what the front end cannot do keeps gradients
+    assert resolve_target(TopKConfig(momentum=0.9), ADAM) == "gradient"  # gradient mode's own options
+    assert resolve_target(TopKConfig(spike_guard=3.0), ADAM) == "gradient"
+    assert resolve_target(TopKConfig(target="gradient"), ADAM) == "gradient"
+    assert resolve_target(TopKConfig(target="update"), "torch.optim.sgd.SGD") == "update"  # named: as asked
+    assert resolve_target(TopKConfig(second_moment="local"), ADAM) == "update"  # update options with auto

@@ -66,10 +66,24 @@ def test_ranks_in_different_modes_raise_together_naming_the_target():
         assert "RankMismatch" in message and "target" in message, message
 
 
+def test_the_default_target_picks_update_mode_for_adam_only():
+    for r in harness.run(update_workers.default_target, 2):
+        adamw, sgd = r["adamw"], r["sgd"]
+        assert adamw["wrapped"] and adamw["target"] == "update" and adamw["same"]
+        assert adamw["keys"] and all(k.startswith("update.") for k in adamw["keys"])
+        assert not sgd["wrapped"] and sgd["target"] == "gradient" and sgd["same"]
+        assert sgd["keys"] and not any(k.startswith("update.") for k in sgd["keys"])
+        assert "before the first backward" in r["late"], r["late"]
+
+
 def test_what_update_mode_cannot_do_is_refused_by_name():
     model = torch.nn.Linear(4, 2)
     with pytest.raises(ValueError, match="needs TopKEFState\\(target='update'\\)"):
-        update_mode_optimizer(torch.optim.Adam(model.parameters()), TopKEFState(ratio=0.01))
+        update_mode_optimizer(torch.optim.Adam(model.parameters()), TopKEFState(ratio=0.01, target="gradient"))
+    # target="auto" with ratio="auto": the hook's clock measures gradient buckets, so the optimizer stays as it is
+    sgd_like = torch.optim.Adam(model.parameters())
+    assert update_mode_optimizer(sgd_like, TopKEFState(ratio="auto")) is sgd_like
+    assert not hasattr(sgd_like, "topk_update_step")
     with pytest.raises(ValueError, match="ratio='auto' with target='update'"):
         TopKEFState(ratio="auto", target="update")
     state = TopKEFState(ratio=0.01, target="update", second_moment="calibrated")

@@ -143,3 +143,28 @@ def modes_differ(rank: int, world_size: int) -> str:
     except Exception as error:  # DDP re-raises the hook's RankMismatch from backward()
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def default_target(rank: int, world_size: int) -> Dict[str, Any]:
+    """TopKEFState() (target="auto"): update_mode_optimizer puts an AdamW in update mode and returns an SGD as it
+    is (the hook keeps averaging its gradients); wrapping after the hook averaged gradients is refused."""
+    out: Dict[str, Any] = {}
+    for kind in ("adamw", "sgd"):
+        model = make_model()
+        state = TopKEFState(ratio=0.05, min_numel=64, named_parameters=model.named_parameters())
+        ddp = ddp_of(model, state, bucket_cap_mb=0.3)
+        base = (torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "adamw"
+                else torch.optim.SGD(model.parameters(), lr=0.1))
+        opt = update_mode_optimizer(base, state)
+        for step in range(2):
+            train_step(ddp, opt, rank, step)
+        out[kind] = {"wrapped": hasattr(opt, "topk_update_step"), "target": state.target,
+                     "keys": sorted(name for name, _ in state.registry),
+                     "same": all_equal_across_ranks(flat_params(model))}
+        if kind == "sgd":  # the hook has averaged gradients: an Adam wrapped now would switch modes mid-run
+            try:
+                update_mode_optimizer(torch.optim.Adam(model.parameters()), state)
+                out["late"] = "no error"
+            except ValueError as error:
+                out["late"] = str(error)
+    return out

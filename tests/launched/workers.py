@@ -26,22 +26,24 @@ def rank_agreement_cases() -> Dict[str, str]:
 
     hvd.init()
     other = hvd.rank() == 1
+    # gradient mode named (target="auto" would exchange Adam's updates), except where the case is the mode
     cases = {
         # rank 1 sends the hidden layer dense (allreduce), rank 0 Top-K (allgather): a hang without the check
-        "dense_vs_topk": lambda: TopKEF(ratio=0.01, min_numel=100_000 if other else 1024),
+        "dense_vs_topk": lambda: TopKEF(ratio=0.01, min_numel=100_000 if other else 1024, target="gradient"),
         # both allgather, payloads of different sizes
-        "ratio": lambda: TopKEF(ratio=0.05 if other else 0.01),
+        "ratio": lambda: TopKEF(ratio=0.05 if other else 0.01, target="gradient"),
         # a wider hidden layer on rank 1: same names, other shapes
-        "shape": lambda: TopKEF(ratio=0.01),
+        "shape": lambda: TopKEF(ratio=0.01, target="gradient"),
         # rank 1 resumed from a checkpoint at another step
-        "step": lambda: TopKEF(ratio=0.01),
-        "none": lambda: TopKEF(ratio=0.01),
+        "step": lambda: TopKEF(ratio=0.01, target="gradient"),
+        "none": lambda: TopKEF(ratio=0.01, target="gradient"),
         # rank 1 holds its gradients and exchanges updates after its step; rank 0 allgathers gradients
-        "target": lambda: TopKEF(ratio=0.01, target="update", second_moment="local") if other else TopKEF(ratio=0.01),
+        "target": lambda: (TopKEF(ratio=0.01, target="update", second_moment="local") if other
+                           else TopKEF(ratio=0.01, target="gradient")),
         # both in update mode, with different second moments
         "second_moment": lambda: TopKEF(ratio=0.01, target="update", second_moment="local" if other else "shared"),
         # rank 0 holds its payload for its bucket's one allgather, rank 1 sends it on its own
-        "bucket_bytes": lambda: TopKEF(ratio=0.01, bucket_bytes=0 if other else 1 << 20),
+        "bucket_bytes": lambda: TopKEF(ratio=0.01, bucket_bytes=0 if other else 1 << 20, target="gradient"),
     }
     results: Dict[str, str] = {}
     for case, make in cases.items():
@@ -50,7 +52,7 @@ def rank_agreement_cases() -> Dict[str, str]:
         net = nn.ModuleDict({case: nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 4))})
         compressor = make()
         if case == "step" and other:
-            source = TopKEF(ratio=0.01)
+            source = TopKEF(ratio=0.01, target="gradient")
             for name, p in net.named_parameters():
                 source.registry.record(name, tuple(p.shape)).steps = 5
             compressor.load_state_dict(source.state_dict())

@@ -139,7 +139,7 @@ def test_what_cannot_be_computed_is_refused_by_name():
     with pytest.raises(ValueError, match="second_moment_sketch must be a positive integer"):
         TopKEF(**CALIBRATED, second_moment_sketch=0)
     with pytest.raises(ValueError, match="apply to target='update' only"):
-        TopKEF(second_moment_sketch=32)
+        TopKEF(target="gradient", second_moment_sketch=32)
 
 
 def test_a_state_of_the_shared_second_moment_is_refused_by_name():

@@ -17,7 +17,7 @@ from ..timeline import timeline_activities
 from .conftest import SINGLE_RANK_SETS
 from .torch_harness import assert_same_params, differs, train
 
-EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False)
+EVERYTHING = dict(ratio=1.0, min_numel=0, dense_fallback=False, target="gradient")  # gradient mode, named
 
 OPTIONS = {
     "named": {},

@@ -327,6 +327,34 @@ def test_the_second_moment_is_calibrated_where_it_can_be_computed_and_each_ranks
         mode(torch.optim.Adam(params, lr=0.1, amsgrad=True), second_moment="calibrated")
 
 
+def test_the_default_target_exchanges_adams_updates_and_sgds_gradients():
+    """target="auto" (the default): update mode for Adam/AdamW, gradient mode for SGD and for op=hvd.Sum (which
+    update mode refuses for Adam); one TopKEF object serves both kinds of optimizer, each in its own mode, and
+    trains them with identical parameters on every rank."""
+    torch.manual_seed(0)
+    first, second = Net(), Net()
+    compressor = TopKEF(ratio=0.05, min_numel=256)
+    adam = hvd.DistributedOptimizer(torch.optim.AdamW(first.parameters(), lr=0.01),
+                                    named_parameters=first.named_parameters(), compression=compressor)
+    sgd = hvd.DistributedOptimizer(torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=second.named_parameters(), compression=compressor)
+    assert adam.topk_update_step.second_moment == "calibrated" and not hasattr(sgd, "topk_update_step")
+    summed = hvd.DistributedOptimizer(torch.optim.Adam(Net().parameters(), lr=0.01), op=hvd.Sum,
+                                      compression=TopKEF(ratio=0.05))
+    assert not hasattr(summed, "topk_update_step")
+    for step in range(3):
+        for model, opt in ((first, adam), (second, sgd)):
+            opt.zero_grad()
+            x, tokens, y = batch(step)
+            nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+            opt.step()
+    names = {name for name, _ in compressor.registry}
+    assert any(n.startswith("update.") for n in names)  # the AdamW's updates travelled
+    assert any(not n.startswith("update.") and "fc1.weight" in n for n in names)  # the SGD's gradients did
+    for model in (first, second):
+        assert identical_across_ranks({n: p.detach() for n, p in model.named_parameters()}) == []
+
+
 @pytest.mark.parametrize("second_moment, keys", [("shared", ("shared_exp_avg_sq", "step")),
                                                   ("calibrated", ("exp_avg", "exp_avg_sq", "step"))])
 def test_broadcast_optimizer_state_at_start_up_creates_update_modes_state(second_moment, keys):
@@ -374,7 +402,7 @@ def gradient_mode_adam_state(steps: int = 2) -> dict:
     torch.manual_seed(0)
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=TopKEF(ratio=0.05))
+                                   named_parameters=model.named_parameters(), compression=TopKEF(ratio=0.05, target="gradient"))
     for step in range(steps):
         opt.zero_grad()
         x, tokens, y = batch(step)
