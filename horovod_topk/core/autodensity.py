@@ -33,9 +33,8 @@ Standard library only, like the rest of core.
 """
 from __future__ import annotations
 
-import math
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .config import TopKConfig

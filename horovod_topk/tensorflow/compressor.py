@@ -146,8 +146,6 @@ class TopKEF(TopKEFBase[Any]):
     ) -> Optional[tf.Tensor]:
         """The dense reduced gradient, computed from the Top-K entries of every rank (an allgather or the sparse
         allreduce, as core.exchange chooses); None to go dense."""
-        from horovod.tensorflow.mpi_ops import allgather
-
         world_size = process_set.size()
         scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
         if any(d is None for d in pending.shape):

@@ -23,7 +23,7 @@ rounding (tests/parallel_torch/test_torch_sparse_allreduce.py, tests/launched/te
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 

@@ -7,7 +7,6 @@ import copy
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from horovod_topk.torch import ddp_auto
