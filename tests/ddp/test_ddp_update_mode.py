@@ -8,7 +8,7 @@ import torch
 
 from horovod_topk.torch.ddp import TopKEFState, update_mode_optimizer
 
-from . import harness, update_workers
+from . import harness, update_workers, workers
 
 
 def test_sgd_at_ratio_one_trains_as_ddps_allreduce():
@@ -62,7 +62,8 @@ def test_checkpoint_resumes_exactly():
 
 
 def test_ranks_in_different_modes_raise_together_naming_the_target():
-    for message in harness.run(update_workers.modes_differ, 2):
+    update, gradient = dict(ratio=0.05, min_numel=64, target="update"), dict(ratio=0.05, min_numel=64, target="gradient")
+    for message in harness.run(workers.mismatch, 2, update, gradient):
         assert "RankMismatch" in message and "target" in message, message
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from horovod_topk.torch.ddp import TopKEFState, update_mode_optimizer
 
-from .workers import all_equal_across_ranks, batch, ddp_of, flat_params, make_model, train_step
+from .workers import all_equal_across_ranks, batch, ddp_of, flat_params, make_model, poison_on, train_step
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
 
@@ -76,15 +76,7 @@ def nonfinite(rank: int, world_size: int) -> Dict[str, Any]:
     are NaN (so a GradScaler, which looks for any, skips on every rank), and the step changes nothing anywhere;
     step 2 trains on."""
     model, state, ddp, opt = _training(rank, dict(ratio=0.05, min_numel=64))
-    step_box = [0]
-
-    def poison(grad: torch.Tensor) -> torch.Tensor:
-        if rank == 1 and step_box[0] == 1:
-            grad = grad.clone()
-            grad[0, 0] = float("nan")
-        return grad
-
-    model.c.weight.register_hook(poison)
+    step_box = poison_on(model, rank, 1)
     out: Dict[str, Any] = {}
     for step in range(3):
         step_box[0] = step
@@ -130,19 +122,6 @@ def resume(rank: int, world_size: int) -> Dict[str, Any]:
         train_step(ddp, opt, rank, step)
     return {"straight": straight, "resumed": flat_params(model), "names": sorted(saved["topk"]["tensors"]),
             "same": all_equal_across_ranks(flat_params(model))}
-
-
-def modes_differ(rank: int, world_size: int) -> str:
-    """Rank 0 in update mode, the others in gradient mode: every rank raises in backward, naming the target."""
-    model = make_model()
-    state = TopKEFState(ratio=0.05, min_numel=64, target="update" if rank == 0 else "gradient")
-    ddp = ddp_of(model, state)
-    x, y = batch(rank, 0)
-    try:
-        F.cross_entropy(ddp(x), y).backward()
-    except Exception as error:  # DDP re-raises the hook's RankMismatch from backward()
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 def default_target(rank: int, world_size: int) -> Dict[str, Any]:

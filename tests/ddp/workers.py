@@ -233,10 +233,13 @@ def load_all_ranks(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     return {"loaded": loaded, "same": all_equal_across_ranks(params)}
 
 
-def mismatch(rank: int, world_size: int) -> str:
-    """Rank 1 is configured with another ratio: every rank must raise, naming it, instead of hanging."""
+def mismatch(rank: int, world_size: int, first: Optional[Dict[str, Any]] = None,
+             others: Optional[Dict[str, Any]] = None) -> str:
+    """Rank 0 is configured with ``first``, the others with ``others`` (by default another ratio): every rank must
+    raise, naming what differs, instead of hanging."""
     model = make_model()
-    ddp = ddp_of(model, TopKEFState(ratio=0.01 if rank == 0 else 0.02))
+    options = (first or {"ratio": 0.01}) if rank == 0 else (others or {"ratio": 0.02})
+    ddp = ddp_of(model, TopKEFState(**options))
     x, y = batch(rank, 0)
     try:
         F.cross_entropy(ddp(x), y).backward()
@@ -245,21 +248,28 @@ def mismatch(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def poison_on(model: Net, rank: int, at_step: int) -> List[int]:
+    """Put a NaN into rank 1's gradient of c.weight on step ``at_step``; returns the box the caller writes the
+    current step into."""
+    step_box = [0]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and step_box[0] == at_step:
+            grad = grad.clone()
+            grad[0, 0] = float("nan")
+        return grad
+
+    model.c.weight.register_hook(poison)
+    return step_box
+
+
 def nonfinite(rank: int, world_size: int) -> Dict[str, Any]:
     """Rank 1's gradient of c.weight holds a NaN on step 2: sent as such (every rank's c.weight becomes NaN there,
     as dense DDP's would), never in a residual; its bucket-mates' residuals carry on as usual."""
     model = make_model()
     state = TopKEFState(ratio=0.05, min_numel=64, named_parameters=model.named_parameters())
     ddp = ddp_of(model, state)
-    step_box = [0]
-
-    def poison(grad: torch.Tensor) -> torch.Tensor:
-        if rank == 1 and step_box[0] == 2:
-            grad = grad.clone()
-            grad[0, 0] = float("nan")
-        return grad
-
-    model.c.weight.register_hook(poison)
+    step_box = poison_on(model, rank, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     grads: Dict[str, Any] = {}
     for step in range(3):
