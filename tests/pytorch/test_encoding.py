@@ -55,7 +55,7 @@ def test_float8_rounding_goes_back_into_the_residual():
     exact = before.clone()
     exact.index_add_(0, indices.long(), values)
     # error feedback: what was sent plus what stayed is what there was
-    torch.testing.assert_close(sent + residual, exact, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sent + residual, exact, rtol=2**-22, atol=1e-6)  # one float32 rounding of the sum
     relative = (got_values[0] - values[torch.argsort(indices.long())]).abs() / values.abs().max()
     assert 0 < relative.max() <= 2 ** -4  # e4m3: 3 mantissa bits, relative to the payload's scale at worst
     assert got_values[0].abs().max() == pytest.approx(values.abs().max().item(), rel=1e-6)  # the largest is exact
