@@ -94,10 +94,6 @@ class LocalUpdates:
             self._shared_state(name, p)
         return adopted
 
-    def first_moment(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
-        """The shared second moment's first moment of ``p``, this rank's (see _first_moment)."""
-        return self._first_moment(name, p)
-
     @staticmethod
     def _gradient(p: torch.nn.Parameter) -> torch.Tensor:
         return p.grad if p.grad is not None else torch.zeros_like(p)
@@ -138,7 +134,7 @@ class LocalUpdates:
             update_rule.update_second_moment(state["shared_exp_avg_sq"], shared[offset:offset + count].to(p.device),
                                              beta2)
             updates.append(update_rule.adam_update(
-                p.detach(), self._gradient(p), self._first_moment(name, p), state["shared_exp_avg_sq"],
+                p.detach(), self._gradient(p), self.first_moment(name, p), state["shared_exp_avg_sq"],
                 int(state["step"]), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 decoupled=decoupled, block=block,
             ))
@@ -247,7 +243,7 @@ class LocalUpdates:
         state is the same on every rank (made from the averaged gradient), so the shared second moment is too;
         loaded on one rank only, broadcast_optimizer_state sends the adopted state to the others
         (adapt_broadcast_optimizer_state)."""
-        first_moment = self._first_moment(name, p)
+        first_moment = self.first_moment(name, p)
         if not bool(first_moment.any()):  # a record of its own (a checkpoint of update mode) takes precedence
             first_moment.copy_(state["exp_avg"].float())
         state["shared_exp_avg_sq"] = update_rule.block_means(state["exp_avg_sq"], self.config.second_moment_block)
@@ -280,7 +276,7 @@ class LocalUpdates:
         self.optimizer.register_load_state_dict_pre_hook(keep)
         self.optimizer.register_load_state_dict_post_hook(restore)
 
-    def _first_moment(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
+    def first_moment(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         """This rank's own first moment (float32, shaped as ``p``), kept in the compressor's record of the update
         next to its residual: both are this rank's alone, so the compressor's per-rank checkpoints (state_dict,
         gather_state, elastic) carry them, and on another world size each new rank gets the mean of the saved ones
