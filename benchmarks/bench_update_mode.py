@@ -6,11 +6,14 @@ backward the way gradient mode's per-tensor collectives do, and it computes an u
 step. This prints, side by side in one run (methods alternate over --rounds, each in its own `horovodrun -np 2`
 job): the mean step time after warm-up, the persistent state (optimizer state + TopKEF's residuals and first
 moments, counted tensor by tensor) and the peak resident memory of rank 0, for dense Horovod, TopKEF in gradient
-mode, and update mode with each rank's own and with the shared second moment. Model: an MLP of --width (4 hidden layers,
-~4.2M parameters at 1024) trained with AdamW.
+mode, and update mode with each rank's own, the shared and the calibrated second moment (the last also with every
+update in its own collectives: bucket_bytes=0). Model: an MLP of --width and --depth (4 hidden layers, ~4.2M
+parameters at 1024; many small layers show what per-tensor collectives cost) trained with AdamW.
 
     python benchmarks/bench_update_mode.py                      # about 2 minutes
     python benchmarks/bench_update_mode.py --width 2048 --rounds 3 --steps 30
+    python benchmarks/bench_update_mode.py --width 256 --depth 48 --methods gradient0.01 update-calibrated0.01 \
+        update-calibrated0.01-per-tensor --rounds 3
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["dense", "gradient0.01", "update0.01", "update-shared0.01", "update-calibrated0.01"]
+METHODS = ["dense", "gradient0.01", "update0.01", "update-shared0.01", "update-calibrated0.01",
+           "update-calibrated0.01-per-tensor"]
 
 
-def worker(method: str, width: int, steps: int, warmup: int) -> None:
+def worker(method: str, width: int, depth: int, steps: int, warmup: int) -> None:
     import horovod.torch as hvd
     import torch
 
@@ -38,7 +42,7 @@ def worker(method: str, width: int, steps: int, warmup: int) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     layers = []
-    for _ in range(4):
+    for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
     compression = {
@@ -47,6 +51,9 @@ def worker(method: str, width: int, steps: int, warmup: int) -> None:
         "update0.01": TopKEF(ratio=0.01, target="update", second_moment="local"),  # each rank's own AdamW
         "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated"),
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
+        # the same with every update in its own collectives (the buckets' gain is the difference)
+        "update-calibrated0.01-per-tensor": TopKEF(ratio=0.01, target="update", second_moment="calibrated",
+                                                   bucket_bytes=0),
     }[method]
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
                                    named_parameters=model.named_parameters(), compression=compression)
@@ -82,13 +89,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers (2 tensors each)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.width, args.steps, args.warmup)
+        worker(args.worker, args.width, args.depth, args.steps, args.warmup)
         return
     runs: dict = {m: [] for m in args.methods}
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -96,13 +104,13 @@ def main() -> None:
         for method in args.methods:
             out = subprocess.run(
                 ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, __file__, "--worker", method,
-                 "--width", str(args.width), "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                 "--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps), "--warmup", str(args.warmup)],
                 capture_output=True, text=True, env=env, check=True, stdin=subprocess.DEVNULL).stdout
             line = next(l for l in out.splitlines() if "RESULT " in l)
             runs[method].append(json.loads(line.split("RESULT ", 1)[1]))
     base = mean(r["step_ms"] for r in runs["gradient0.01"]) if "gradient0.01" in runs else None
     first = runs[args.methods[0]][0]
-    print(f"MLP width {args.width}: parameters {first['params_mb']:.1f} MB, AdamW, 2 workers (Gloo, loopback), "
+    print(f"MLP width {args.width}, {args.depth} hidden layers: parameters {first['params_mb']:.1f} MB, AdamW, 2 workers (Gloo, loopback), "
           f"{args.steps} steps after {args.warmup}, {args.rounds} rounds alternating")
     print("| method | step time, ms (per round) | vs gradient mode | persistent state, MB | peak RSS rank 0, MB | "
           "bytes handed to collectives per step |")

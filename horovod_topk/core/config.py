@@ -140,7 +140,8 @@ class TopKConfig:
             k and residual), but the members planned for the allgather share one payload and one collective, which
             leaves as soon as its last member is ready (core.buckets). Default 25 MiB (PyTorch DDP's bucket size);
             0 sends every tensor on its own. Every rank must pass the same value (the rank check compares it).
-            TensorFlow exchanges per tensor whatever this says (its exchange bodies are traced per tensor).
+            In update mode the updates travel in buckets of this size too (all ready at once, after the local
+            step). TensorFlow exchanges per tensor whatever this says (its exchange bodies are traced per tensor).
         log_every (int): telemetry (core.telemetry): every N steps, log one line through Python ``logging``
             (bytes sent, compression ratio, residual norm, time spent compressing) and write those scalars to the
             ``summary_writer=`` given to TopKEF, if any. Changes nothing on the wire; each report reads the

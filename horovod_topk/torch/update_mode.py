@@ -15,7 +15,9 @@ What one step does, on every rank:
    ``second_moment="local"`` the user's optimizer steps and the update is parameters before minus after (the
    parameters are put back). Each update goes through the compressor's exchange (error feedback, selection,
    allgather / sparse allreduce / compact encoding, or a dense allreduce for small tensors), and every rank
-   subtracts the average of the applied updates from the same parameters: bit-identical on every rank.
+   subtracts the average of the applied updates from the same parameters: bit-identical on every rank. The
+   updates travel in buckets of ``bucket_bytes`` (one allgather, or one sparse allreduce, for each bucket's
+   compressed members: core.buckets), which sends what the per-tensor exchange sends, bit for bit.
 
 After the step ``p.grad`` still holds this rank's own gradient: no averaged gradient exists in update mode.
 """
@@ -77,6 +79,8 @@ class UpdateStep:
         self._skip = False
         #: Steps every rank skipped because some rank's gradient held NaN/Inf.
         self.skipped_steps = 0
+        #: Whether the updates' buckets are in the compressor's table (on the first step).
+        self._bucketed = False
         #: Each rank's local update under the second moment (torch.local_updates), over Horovod's collectives.
         self.local = LocalUpdates(optimizer, self.user_class, compressor.registry, self.config, scope,
                                   self._allreduce_sum, lambda: self._process_set().size())
@@ -209,6 +213,7 @@ class UpdateStep:
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> None:
         entries = self._entries()
+        self._bucket_updates(entries)
         if self._skip:
             self._skip = False
             self.skipped_steps += 1
@@ -219,6 +224,18 @@ class UpdateStep:
             return None
         self._exchange_and_apply(entries, updates)
         return None
+
+    def _bucket_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> None:
+        """Put the updates in buckets of TopKConfig.bucket_bytes (core.buckets), once: every update is ready at the
+        same time, after the local step, so one payload per bucket costs no overlap and saves each member's own
+        collectives. The members are the entries in name order, the same on every rank; names already bucketed are
+        kept where they are. Horovod's ``groups=`` concern gradient reductions, which update mode does not run."""
+        if self._bucketed:
+            return
+        self._bucketed = True
+        self.compressor.bucket_table.add(
+            [(update_tensor_name(self.scope + name), p.numel() * p.element_size()) for name, p in entries],
+            self.config.bucket_bytes)
 
     def _exchange_and_apply(self, entries: List[Tuple[str, torch.nn.Parameter]], updates: List[torch.Tensor]) -> None:
         """Every update through the compressor's exchange (dense allreduce where core's plan says dense); then

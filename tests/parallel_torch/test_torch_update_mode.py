@@ -501,3 +501,33 @@ def test_a_float64_model_keeps_steps_below_float32_resolution():
         opt.step()
     expected = 1.0 - 3e-9 * (1 + hvd.size()) / 2  # the averaged step, in float64
     torch.testing.assert_close(layer.weight.detach(), torch.full_like(layer.weight, expected), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("options", [
+    {"second_moment": "calibrated"},
+    {"second_moment": "calibrated", "exchange": "sparse_allreduce", "min_numel": 0, "dense_fallback": False},
+    {"second_moment": "shared", "index_bits": 16, "value_dtype": "float8"},
+    {"second_moment": "local", "warmup_steps": 2},
+])
+def test_updates_in_buckets_train_as_the_per_tensor_exchange(options):
+    """The updates travel in one bucket per step (one collective for its compressed members) and the parameters,
+    residuals and bytes are those of the per-tensor exchange, bit for bit."""
+    kwargs: dict = {"optimizer_factory": ADAMW, "steps": 5}
+    bucketed = TopKEF(ratio=0.05, target="update", bucket_bytes=1 << 20, **options)
+    per_tensor = TopKEF(ratio=0.05, target="update", bucket_bytes=0, **options)
+    ours = train(bucketed, **kwargs)
+    theirs = train(per_tensor, **kwargs)
+    assert differs(ours, theirs) == []
+    for name, record in per_tensor.registry.records.items():
+        mine = bucketed.registry.records[name]
+        if record.residual is not None:
+            assert torch.equal(mine.residual, record.residual), name
+    assert bucketed.stats()["bytes_sent"] == per_tensor.stats()["bytes_sent"]
+    buckets = bucketed.stats()["buckets"]
+    compressed = sum(1 for _, record in per_tensor.registry if record.exchange)
+    assert buckets["buckets"] == 1 and compressed >= 2
+    if "warmup_steps" not in options:  # every step: one collective carries every compressed member
+        assert buckets["collectives"] == 5 and buckets["tensors"] == 5 * compressed
+    assert buckets["flushed_incomplete"] == 0
+    assert "buckets" not in per_tensor.stats()
+    assert identical_across_ranks(ours, "bucketed") == []
