@@ -17,6 +17,8 @@ One worker by default (``hvd.init()`` alone: on one rank the exchange is the all
 
     python benchmarks/profile_tf_trace.py
     python benchmarks/profile_tf_trace.py --methods topk topk-exact --profile 25
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/profile_tf_trace.py --layers 60 --steps 20 \
+        --methods dense topk topk-per-tensor        # buckets against one allgather per tensor
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Any, Dict
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-METHODS = ("dense", "topk", "topk-exact", "topk-warmup")
+METHODS = ("dense", "topk", "topk-per-tensor", "topk-exact", "topk-warmup")
 
 
 def op_count(graph_def: Any) -> int:
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--bucket-bytes", type=int, default=None, help="topk's bucket_bytes (default: TopKEF's)")
     parser.add_argument("--profile", type=int, default=0, help="print the N top functions of the trace (cProfile)")
     parser.add_argument("--profile-only", default="", metavar="REGEX",
                         help="with --profile: only functions whose file:line(name) matches REGEX (e.g. horovod_topk)")
@@ -77,7 +80,10 @@ def main() -> None:
             biases = [tf.Variable(np.zeros(args.width, np.float32)) for _ in range(args.layers)]
             variables = [v for pair in zip(weights, biases) for v in pair]
         x = tf.constant(rng.randn(8, args.width).astype(np.float32))
-        compression = {"dense": hvd.Compression.none, "topk": TopKEF(ratio=0.01),
+        buckets = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}
+        compression = {"dense": hvd.Compression.none, "topk": TopKEF(ratio=0.01, **buckets),
+                       # every tensor in its own allgather (bucket_bytes=0), against topk's buckets
+                       "topk-per-tensor": TopKEF(ratio=0.01, bucket_bytes=0),
                        "topk-exact": TopKEF(ratio=0.01, selector="exact"),
                        "topk-warmup": TopKEF(ratio=0.01, warmup_steps=args.warmup_steps)}[method]
 

@@ -148,10 +148,14 @@ class BucketLayout:
     def mismatch_message(self, world_size: int, gathered_nbytes: int) -> Optional[str]:
         """None when an allgather of this bucket returned the size every rank's payload implies; otherwise the
         error that names the bucket and the sizes (ranks that disagree about its members or their k)."""
-        expected = world_size * self.total_nbytes
-        if gathered_nbytes == expected:
+        if gathered_nbytes == world_size * self.total_nbytes:
             return None
+        return self.disagreement_message(world_size, f"received {gathered_nbytes} bytes")
+
+    def disagreement_message(self, world_size: int, received: str = "received another size") -> str:
+        """The error for a gathered bucket of the wrong size, ``received`` saying what arrived (a graph built
+        before any step knows only that the size differs)."""
         return (f"horovod-topk: ranks disagree about the bucket {self.collective_name!r} (members "
-                f"{', '.join(self.members)}): received {gathered_nbytes} bytes, this rank expects {expected} "
+                f"{', '.join(self.members)}): {received}, this rank expects {world_size * self.total_nbytes} bytes "
                 f"({world_size} x {self.total_nbytes}). Every rank must run the same model with the same TopKEF "
                 f"configuration (bucket_bytes included).")

@@ -135,13 +135,15 @@ class TopKConfig:
             the allreduce carries 4 bytes per block. Default 256 (0.4% of a dense float32 allreduce).
         second_moment_sketch (int): buckets of the sketch per tensor (target="update", second_moment="calibrated");
             the allreduce carries 4 * (buckets + 1) bytes per tensor. Default 64.
-        bucket_bytes (int): PyTorch: the compressed gradients of an optimizer travel in buckets of up to this many
+        bucket_bytes (int): the compressed gradients of an optimizer travel in buckets of up to this many
             gradient bytes, in the order backward produces them: each member is still selected on its own (its own
             k and residual), but the members planned for the allgather share one payload and one collective, which
             leaves as soon as its last member is ready (core.buckets). Default 25 MiB (PyTorch DDP's bucket size);
             0 sends every tensor on its own. Every rank must pass the same value (the rank check compares it).
             In update mode the updates travel in buckets of this size too (all ready at once, after the local
-            step). TensorFlow exchanges per tensor whatever this says (its exchange bodies are traced per tensor).
+            step). TensorFlow: the gradients of one reduction (Horovod's ``groups=`` when given, each group one
+            bucket) in buckets of the allgather at a fixed k; sparse gradients, a warm-up, ratio="auto" and the
+            sparse allreduce per tensor (horovod_topk.tensorflow.buckets).
         log_every (int): telemetry (core.telemetry): every N steps, log one line through Python ``logging``
             (bytes sent, compression ratio, residual norm, time spent compressing) and write those scalars to the
             ``summary_writer=`` given to TopKEF, if any. Changes nothing on the wire; each report reads the

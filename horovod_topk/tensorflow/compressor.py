@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -31,8 +31,9 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
-from ..core.exchange import DENSE, SPARSE_ALLREDUCE
-from . import ops, shared, sizes, sparse_allreduce, steps
+from ..core.buckets import BucketLayout
+from ..core.exchange import ALLGATHER, DENSE, SPARSE_ALLREDUCE
+from . import buckets, ops, shared, sizes, sparse_allreduce, steps
 from .auto_density import AutoTick
 from .state import state_variable
 from .telemetry import GraphTelemetry, adapt_writer
@@ -56,6 +57,29 @@ class _Step:
     dense_nbytes: int
     scale: float
     process_set: Any
+
+@dataclass(frozen=True)
+class _Bucketable:
+    """A tensor planned for the allgather at a fixed ``k``, up to its send: it may share a bucket's collective."""
+
+    step: _Step
+    k: int
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """One tensor's allgather payload on its way out (steps.send), and what its receive needs."""
+
+    payload: tf.Tensor
+    finite: tf.Tensor
+    plan: sizes.SizePlan
+    row: tf.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's payload bytes (a fixed k: a Python int)."""
+        return int(self.plan.layouts[0].nbytes)
+
 
 _WIRE_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
                 "float8": tf.dtypes.experimental.float8_e4m3fn}
@@ -146,6 +170,64 @@ class TopKEF(TopKEFBase[Any]):
     ) -> Optional[tf.Tensor]:
         """The dense reduced gradient, computed from the Top-K entries of every rank (an allgather or the sparse
         allreduce, as core.exchange chooses); None to go dense."""
+        prepared = self._prepare(tensor, pending, name, op_name=op_name, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, process_set=process_set)
+        if isinstance(prepared, _Bucketable):
+            return self._topk_reduce(prepared.step, ALLGATHER, prepared.k)
+        return prepared
+
+    @tf.autograph.experimental.do_not_convert
+    def start_group(
+        self,
+        members: Sequence[Tuple[tf.Tensor, PendingReduction, str]],
+        cap_bytes: Optional[int],
+        *,
+        op_name: str,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: Any,
+    ) -> List[Optional[tf.Tensor]]:
+        """:meth:`start_reduction` of each of a group's ``members`` ((gradient, its mark, its name) in Horovod's
+        order), the members planned for the allgather with a fixed k in buckets of ``cap_bytes`` (None: the group
+        is one bucket; 0: every member on its own): one allgather per bucket (horovod_topk.tensorflow.buckets).
+        None where a member goes dense."""
+        outputs: List[Optional[tf.Tensor]] = []
+        waiting: Dict[str, Tuple[int, _Bucketable]] = {}
+        for position, (tensor, pending, name) in enumerate(members):
+            prepared = self._prepare(tensor, pending, name, op_name=op_name, prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor, process_set=process_set)
+            if isinstance(prepared, _Bucketable):
+                waiting[name] = (position, prepared)
+                prepared = None
+            outputs.append(prepared)
+        sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in waiting.items()]
+        for bucket in buckets.assign(sizes_in_order, cap_bytes):
+            held = [waiting[name] for name in bucket]
+            if len(held) == 1:
+                position, member = held[0]
+                outputs[position] = self._topk_reduce(member.step, ALLGATHER, member.k)
+                continue
+            sent = [self._send(member.step, ALLGATHER, member.k) for _, member in held]
+            layout = BucketLayout(tuple(bucket), tuple(payload.nbytes for payload in sent))
+            gathered = buckets.gather([payload.payload for payload in sent], layout, process_set)
+            for (position, member), payload, rows in zip(held, sent, gathered):
+                outputs[position] = self._receive(member.step, payload, rows)
+        return outputs
+
+    def _prepare(
+        self,
+        tensor: tf.Tensor,
+        pending: PendingReduction,
+        name: str,
+        *,
+        op_name: str,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: Any,
+    ) -> Union[None, tf.Tensor, "_Bucketable"]:
+        """Everything of a tensor's reduction up to its exchange: the agreement check, the counters, the state,
+        the spike guard. Returns None (dense), the reduced tensor (routes that change per step, the sparse
+        allreduce), or, for the allgather at a fixed k, what its send needs: it may share a bucket."""
         world_size = process_set.size()
         scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
         if any(d is None for d in pending.shape):
@@ -197,7 +279,7 @@ class TopKEF(TopKEFBase[Any]):
         assert k is not None and exchange is not None
         record.exchange = exchange  # (traced once: the exchange of the traced step function)
         if not self.config.warmup_steps:
-            return self._topk_reduce(step, exchange, k)
+            return _Bucketable(step, k) if exchange == ALLGATHER else self._topk_reduce(step, exchange, k)
         schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
                                    value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
                                    sparse_available=True)
@@ -247,24 +329,25 @@ class TopKEF(TopKEFBase[Any]):
         its sizes (one row) are their inputs."""
         from horovod.tensorflow.mpi_ops import allgather
 
-        world_size = step.process_set.size()
-        value_itemsize = step.wire_dtype.size
-        if t is None:
-            assert isinstance(k, int)
-            plan = sizes.fixed_plan(self.config, k, step.numel, value_itemsize, world_size, exchange)
-        else:
-            assert not isinstance(k, int)
-            plan = sizes.step_plan(self.config, k, step.numel, value_itemsize, world_size, exchange)
-        # float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual
-        select_dtype = step.residual.dtype if plan.layouts[0].scaled else step.wire_dtype
         if exchange == SPARSE_ALLREDUCE:
+            plan = self._size_plan(step, exchange, k, t)
             size = plan.at(t)
             assert size.sparse is not None
             indices, values, new_residual, new_momentum, finite = shared.call(
-                ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k, select_dtype,
-                size.sampling, step.momentum, self.config.momentum)
+                ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k,
+                self._select_dtype(step, plan), size.sampling, step.momentum, self.config.momentum)
             reduced = self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
             return tf.reshape(reduced, step.shape)
+        sent = self._send(step, exchange, k, t)
+        gathered = allgather(sent.payload, name=allgather_name(step.name), ignore_name_scope=True,
+                             process_set=step.process_set)
+        return self._receive(step, sent, gathered)
+
+    def _send(self, step: "_Step", exchange: str, k: Union[int, Sequence[int]],
+              t: Optional[tf.Tensor] = None) -> "_Sent":
+        """The allgather half before the collective: error-feedback selection and packing (steps.send)."""
+        plan = self._size_plan(step, exchange, k, t)
+        select_dtype = self._select_dtype(step, plan)
         started = self._telemetry.clock(step.tensor) if self._telemetry is not None else None
         row = plan.row(t, step.numel)
         # NaN/Inf entries are sent and never enter the residual (ops.compensate_nonfinite)
@@ -274,13 +357,32 @@ class TopKEF(TopKEFBase[Any]):
             momentum=self.config.momentum)
         if started is not None:
             payload = self._telemetry.timed(step.name, started, payload)
-        gathered = allgather(payload, name=allgather_name(step.name), ignore_name_scope=True,
-                             process_set=step.process_set)
+        return _Sent(payload, finite, plan, row)
+
+    def _size_plan(self, step: "_Step", exchange: str, k: Union[int, Sequence[int]],
+                   t: Optional[tf.Tensor]) -> sizes.SizePlan:
+        """The sizes of ``step``'s exchange: fixed (``k`` an int), or per position ``t`` of a schedule."""
+        world_size = step.process_set.size()
+        if t is None:
+            assert isinstance(k, int)
+            return sizes.fixed_plan(self.config, k, step.numel, step.wire_dtype.size, world_size, exchange)
+        assert not isinstance(k, int)
+        return sizes.step_plan(self.config, k, step.numel, step.wire_dtype.size, world_size, exchange)
+
+    @staticmethod
+    def _select_dtype(step: "_Step", plan: sizes.SizePlan) -> tf.DType:
+        """float8 values are selected exactly; the compact encoder puts float8's rounding back into the residual."""
+        return step.residual.dtype if plan.layouts[0].scaled else step.wire_dtype
+
+    def _receive(self, step: "_Step", sent: "_Sent", gathered: tf.Tensor) -> tf.Tensor:
+        """The allgather half after the collective: the size check, the counters and the decoded dense sum
+        (steps.receive) of the ``gathered`` payloads."""
+        world_size = step.process_set.size()
         reduced = shared.call_any_shape(
-            steps.receive, gathered, step.counters.handle, finite,
+            steps.receive, gathered, step.counters.handle, sent.finite,
             None if isinstance(step.guarded, int) else step.guarded,
-            tf.constant(plan.mismatch_message(step.name, world_size)), row, tf.constant(step.shape, tf.int32),
-            options=plan.options,
+            tf.constant(sent.plan.mismatch_message(step.name, world_size)), sent.row,
+            tf.constant(step.shape, tf.int32), options=sent.plan.options,
             world_size=world_size, wire_dtype=step.wire_dtype, acc_dtype=step.residual.dtype, scale=step.scale,
             out_dtype=step.tensor.dtype)
         reduced.set_shape(step.shape)

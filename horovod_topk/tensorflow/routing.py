@@ -13,14 +13,16 @@ only see gradients (the tape, TensorFlow 1 optimizers) refuse update mode at con
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, List, Optional, Sequence
+import threading
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
 from ..core import PendingReduction, group_member_name, pending_of, refuse_unsupported_op
 from ..core.update_mode import TAPE_REFUSAL, TENSORFLOW_REFUSAL, resolve_target
-from . import keras3, update_mode
+from . import buckets, keras3, update_mode
 from .compressor import TopKEF
 
 __all__ = ["install"]
@@ -60,6 +62,76 @@ def _refuse_update_mode(compression: Any, message: str) -> None:
 def _is_tf1_optimizer(optimizer: Any) -> bool:
     """TensorFlow 1's optimizers: ``hvd.DistributedOptimizer`` reduces their gradients and never sees the step."""
     return isinstance(optimizer, tf.compat.v1.train.Optimizer)
+
+
+class _GroupsAsked(threading.local):
+    """While a reduction whose group horovod-topk asked Horovod for is traced: the bucket_bytes to cut it by
+    (None otherwise: a group is the user's own)."""
+
+    cap: Optional[int] = None
+
+
+_GROUPS_ASKED = _GroupsAsked()
+
+
+@contextlib.contextmanager
+def _groups_asked(cap: int) -> Iterator[None]:
+    previous, _GROUPS_ASKED.cap = _GROUPS_ASKED.cap, cap
+    try:
+        yield
+    finally:
+        _GROUPS_ASKED.cap = previous
+
+
+def _asked_cap(compressor: Any) -> Optional[int]:
+    """How start_group cuts a group of ``compressor``'s tensors: by its bucket_bytes when horovod-topk asked for the
+    group, into single tensors with bucket_bytes 0, else not at all (the user's group is one bucket)."""
+    if _GROUPS_ASKED.cap is not None or compressor.config.bucket_bytes == 0:
+        return compressor.config.bucket_bytes
+    return None
+
+
+def _static_nbytes(tensor: Any) -> int:
+    """A tensor's bytes where its shape is known while tracing (0 otherwise: it then never starts a new chunk)."""
+    shape = getattr(tensor, "shape", None)
+    if shape is None or not shape.is_fully_defined():
+        return 0
+    return int(shape.num_elements()) * tensor.dtype.size
+
+
+def _grouping(make_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's ``_make_allreduce_grads_fn`` (what both DistributedOptimizers, the Keras wrapper and the tape
+    build their reduction with), asking for one group per reduction where a TopKEF with bucket_bytes > 0 has no
+    ``groups=`` from the user: Horovod then hands every dense gradient of the step to one grouped call, which cuts
+    it into buckets (horovod_topk.tensorflow.buckets). Sparse gradients (IndexedSlices, unless sparse_as_dense) and
+    a step without dense gradients keep Horovod's own function (its grouped path cannot take an empty group)."""
+    @functools.wraps(make_fn)
+    def make(name: Any, device_dense: Any, device_sparse: Any, compression: Any, sparse_as_dense: Any, op: Any,
+             gradient_predivide_factor: Any, groups: Any, process_set: Any) -> Callable[..., Any]:
+        plain = make_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
+                        gradient_predivide_factor, groups, process_set)
+        if groups is not None or not _uses_topk(compression) or _compressor(compression).config.bucket_bytes == 0:
+            return plain
+        grouped = make_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
+                          gradient_predivide_factor, 1, process_set)
+        cap = _compressor(compression).config.bucket_bytes
+
+        def allreduce_grads(grads: Sequence[Any], vars: Optional[Sequence[Any]] = None,
+                            use_generic_names: bool = False) -> Any:
+            # IndexedSlices keep Horovod's per-tensor path: its grouped allreduce pairs a group's gathered slices
+            # with the wrong dense shapes when other tensors precede them in the group (Horovod 0.28.1)
+            sparse = [isinstance(g, tf.IndexedSlices) and not sparse_as_dense for g in grads]
+            if all(g is None or s for g, s in zip(grads, sparse)):
+                return plain(grads, vars, use_generic_names)
+            with _groups_asked(cap):
+                reduced = list(grouped([None if s else g for g, s in zip(grads, sparse)], vars, use_generic_names))
+            if any(sparse):
+                own = plain([g if s else None for g, s in zip(grads, sparse)], vars, use_generic_names)
+                reduced = [o if s else r for r, o, s in zip(reduced, own, sparse)]
+            return reduced
+
+        return allreduce_grads
+    return make
 
 
 def install() -> None:
@@ -110,8 +182,11 @@ def install() -> None:
     def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: Any = Sum,
                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                            ignore_name_scope: bool = False, process_set: Any = global_process_set) -> List[Any]:
+        """A group's marked tensors through their compressor's start_group (buckets: the user's group is one, a
+        group horovod-topk asked for is cut by bucket_bytes); the rest through Horovod's grouped allreduce, in
+        the same buckets' chunks when horovod-topk asked for the group."""
         outputs: List[Any] = [None] * len(tensors)
-        dense_positions: List[int] = []
+        members: dict = {}  # compressor -> [(position, tensor, pending, key)]
         for position, tensor in enumerate(tensors):
             pending = pending_of(tensor)
             key = None
@@ -119,14 +194,29 @@ def install() -> None:
                 key = reduction_name(None, pending) or (
                     group_member_name(name, position) if name is not None else None)
             if pending is not None and key is not None:
-                outputs[position] = start(tensor, pending, key, op, prescale_factor, postscale_factor, process_set)
-            if outputs[position] is None:
-                dense_positions.append(position)
-        if dense_positions:
+                _refuse_update_mode(pending.compressor, TENSORFLOW_REFUSAL)
+                members.setdefault(id(pending.compressor), []).append((position, tensor, pending, key))
+        op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
+        for group in members.values():
+            compressor = group[0][2].compressor
+            cap = _asked_cap(compressor)
+            reduced = compressor.start_group(
+                [(tensor, pending, key) for _, tensor, pending, key in group], cap, op_name=op_name,
+                prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
+            for (position, *_), out in zip(group, reduced):
+                outputs[position] = out
+        dense_positions = [position for position, out in enumerate(outputs) if out is None]
+        cap = _GROUPS_ASKED.cap
+        chunks = [dense_positions] if cap is None else [
+            [int(p) for p in chunk] for chunk in buckets.assign(
+                [(str(p), _static_nbytes(tensors[p])) for p in dense_positions], cap)]
+        for index, chunk in enumerate(c for c in chunks if c):
+            chunk_name = name if name is None or len(chunks) == 1 else f"{name}.{index}"
             reduced = dense_grouped_allreduce(
-                [tensors[i] for i in dense_positions], name=name, op=op, prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope, process_set=process_set)
-            for position, out in zip(dense_positions, reduced):
+                [tensors[i] for i in chunk], name=chunk_name, op=op,
+                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                ignore_name_scope=ignore_name_scope, process_set=process_set)
+            for position, out in zip(chunk, reduced):
                 outputs[position] = out
         return outputs
 
@@ -180,6 +270,7 @@ def install() -> None:
 
     hvd._allreduce = _allreduce
     hvd._grouped_allreduce = _grouped_allreduce
+    hvd._make_allreduce_grads_fn = _grouping(hvd._make_allreduce_grads_fn)
     # positional indices of `compression` and `op` in each constructor's signature (Horovod 0.28.1)
     hvd.DistributedOptimizer = refusing(hvd.DistributedOptimizer, 5, 8, TENSORFLOW_REFUSAL,
                                         sees_steps=lambda optimizer: not _is_tf1_optimizer(optimizer))
