@@ -457,8 +457,13 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     per-tensor numbers (Diagnosis) in the result's "diagnosis"."""
     spec_head, _, boost = spec.partition("@boost=")
     method_spec, _, extra = spec_head.partition("@dense=")
-    # '+update:VARIANT' (last of the '+' suffixes): update mode; each worker's Adam update is what is compressed
+    # '+late' (after '+update:VARIANT'): the averaged update of step t is applied after step t + 1's backward, so
+    # that its exchange could travel during that step's forward and backward (one step of staleness)
+    method_spec, late, _ = method_spec.partition("+late")
+    # '+update:VARIANT' (last of the other '+' suffixes): update mode; each worker's Adam update is what is compressed
     method_spec, _, update_variant = method_spec.partition("+update:")
+    if late and not update_variant:
+        raise ValueError(f"{spec!r}: +late applies update mode's averaged update a step late; it needs +update:")
     method_spec, _, byte_sched = method_spec.partition("+sched:")
     method_spec, _, drip_cap = method_spec.partition("+drip:")
     method_spec, _, flush = method_spec.partition("+flush:")
@@ -495,6 +500,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
         for i in compressed:
             factors[i] = float(factor) if i in hit else low_factor
     residuals = [[p.new_zeros(p.numel()) for p in params] for _ in range(workers)]
+    in_flight: List[torch.Tensor] = []  # '+late': the averaged update still travelling
     local_adam = LocalAdam(update_variant, opt, params, workers) if update_variant else None
     gens = [torch.Generator().manual_seed(seed * 100 + w) for w in range(workers)]
     bytes_sent = 0.0
@@ -554,8 +560,11 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
             opt.step()
         else:  # the averaged applied update, the same on every worker
             with torch.no_grad():
-                for p in params:
-                    p.sub_(p.grad)
+                arrived = in_flight if late else [p.grad for p in params]
+                if late:
+                    in_flight = [p.grad.clone() for p in params]
+                for p, update in zip(params, arrived):
+                    p.sub_(update)
         if sched is not None:
             sched.step()
         if step % task.eval_every == 0 or step == steps:
