@@ -26,13 +26,14 @@ import sys
 import time
 from pathlib import Path
 from statistics import mean
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "gradient0.01", "update0.01", "update-shared0.01", "update-calibrated0.01",
            "update-calibrated0.01-per-tensor"]
 
 
-def worker(method: str, width: int, depth: int, steps: int, warmup: int) -> None:
+def worker(method: str, width: int, depth: int, steps: int, warmup: int, bucket_bytes: Optional[int]) -> None:
     import horovod.torch as hvd
     import torch
 
@@ -49,7 +50,8 @@ def worker(method: str, width: int, depth: int, steps: int, warmup: int) -> None
         "dense": hvd.Compression.none,
         "gradient0.01": TopKEF(ratio=0.01, target="gradient"),
         "update0.01": TopKEF(ratio=0.01, target="update", second_moment="local"),  # each rank's own AdamW
-        "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated"),
+        "update-calibrated0.01": TopKEF(ratio=0.01, target="update", second_moment="calibrated",
+                                        **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes})),
         "update-shared0.01": TopKEF(ratio=0.01, target="update", second_moment="shared"),
         # the same with every update in its own collectives (the buckets' gain is the difference)
         "update-calibrated0.01-per-tensor": TopKEF(ratio=0.01, target="update", second_moment="calibrated",
@@ -90,13 +92,15 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4, help="hidden layers (2 tensors each)")
+    parser.add_argument("--bucket-bytes", type=int, default=None,
+                        help="update-calibrated0.01's bucket_bytes (default: TopKEF's)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.width, args.depth, args.steps, args.warmup)
+        worker(args.worker, args.width, args.depth, args.steps, args.warmup, args.bucket_bytes)
         return
     runs: dict = {m: [] for m in args.methods}
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -104,7 +108,8 @@ def main() -> None:
         for method in args.methods:
             out = subprocess.run(
                 ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, __file__, "--worker", method,
-                 "--width", str(args.width), "--depth", str(args.depth), "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                 "--width", str(args.width), "--depth", str(args.depth),
+                 *(["--bucket-bytes", str(args.bucket_bytes)] if args.bucket_bytes is not None else []), "--steps", str(args.steps), "--warmup", str(args.warmup)],
                 capture_output=True, text=True, env=env, check=True, stdin=subprocess.DEVNULL).stdout
             line = next(l for l in out.splitlines() if "RESULT " in l)
             runs[method].append(json.loads(line.split("RESULT ", 1)[1]))
