@@ -170,11 +170,8 @@ class TopKEF(TopKEFBase[Any]):
     ) -> Optional[tf.Tensor]:
         """The dense reduced gradient, computed from the Top-K entries of every rank (an allgather or the sparse
         allreduce, as core.exchange chooses); None to go dense."""
-        prepared = self._prepare(tensor, pending, name, op_name=op_name, prescale_factor=prescale_factor,
-                                 postscale_factor=postscale_factor, process_set=process_set)
-        if isinstance(prepared, _Bucketable):
-            return self._topk_reduce(prepared.step, ALLGATHER, prepared.k)
-        return prepared
+        return self.start_group([(tensor, pending, name)], 0, op_name=op_name, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)[0]
 
     @tf.autograph.experimental.do_not_convert
     def start_group(
@@ -194,8 +191,7 @@ class TopKEF(TopKEFBase[Any]):
         outputs: List[Optional[tf.Tensor]] = []
         waiting: Dict[str, Tuple[int, _Bucketable]] = {}
         for position, (tensor, pending, name) in enumerate(members):
-            prepared = self._prepare(tensor, pending, name, op_name=op_name, prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor, process_set=process_set)
+            prepared = self._prepare(tensor, pending, name, op_name, prescale_factor, postscale_factor, process_set)
             if isinstance(prepared, _Bucketable):
                 waiting[name] = (position, prepared)
                 prepared = None
@@ -214,17 +210,8 @@ class TopKEF(TopKEFBase[Any]):
                 outputs[position] = self._receive(member.step, payload, rows)
         return outputs
 
-    def _prepare(
-        self,
-        tensor: tf.Tensor,
-        pending: PendingReduction,
-        name: str,
-        *,
-        op_name: str,
-        prescale_factor: float,
-        postscale_factor: float,
-        process_set: Any,
-    ) -> Union[None, tf.Tensor, "_Bucketable"]:
+    def _prepare(self, tensor: tf.Tensor, pending: PendingReduction, name: str, op_name: str, prescale_factor: float,
+                 postscale_factor: float, process_set: Any) -> Union[None, tf.Tensor, "_Bucketable"]:
         """Everything of a tensor's reduction up to its exchange: the agreement check, the counters, the state,
         the spike guard. Returns None (dense), the reduced tensor (routes that change per step, the sparse
         allreduce), or, for the allgather at a fixed k, what its send needs: it may share a bucket."""

@@ -118,21 +118,14 @@ def test_tape_over_keras3_variables_ratio_one_matches_plain_horovod(use_function
 def test_fit_in_buckets_equals_the_per_tensor_exchange(wrapper, monkeypatch):
     """Keras 3 through either wrapper: the compressed kernels and biases travel in one allgather per step (one
     bucket), and the weights are those of one allgather per tensor, bit for bit."""
-    import horovod.tensorflow.mpi_ops as mpi_ops
+    from tests.tf_allgathers import record_allgathers, topk_exchanges
 
-    names = []
-    original = mpi_ops.allgather
-
-    def recording(tensor, name=None, *args, **kwargs):
-        names.append(name)
-        return original(tensor, name, *args, **kwargs)
-
-    monkeypatch.setattr(mpi_ops, "allgather", recording)
+    names = record_allgathers(monkeypatch)
     ours = _fit(TopKEF(ratio=0.05, min_numel=0), wrapper)
-    bucketed = sorted({n for n in names if n and n.startswith("topk.") and not n.startswith("topk.check")})
+    bucketed = topk_exchanges(names)
     names.clear()
     theirs = _fit(TopKEF(ratio=0.05, min_numel=0, bucket_bytes=0), wrapper)
-    per_tensor = sorted({n for n in names if n and n.startswith("topk.") and not n.startswith("topk.check")})
+    per_tensor = topk_exchanges(names)
     for i, (u, v) in enumerate(zip(ours, theirs)):
         np.testing.assert_array_equal(u, v, err_msg=f"weight {i}")
     assert len(bucketed) == 1 and bucketed[0].startswith("topk.bucket.") and ".6." in bucketed[0]

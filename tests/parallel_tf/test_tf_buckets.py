@@ -2,13 +2,14 @@
 Keras, under the options that change what a member sends), one allgather carries a bucket's compressed members,
 the user's groups are the buckets, and ranks that disagree about bucket_bytes raise instead of hanging."""
 import horovod.tensorflow as hvd
-import horovod.tensorflow.mpi_ops as mpi_ops
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from horovod_topk.core import RankMismatch
 from horovod_topk.tensorflow import TopKEF
+
+from tests.tf_allgathers import record_allgathers, topk_exchanges
 
 from .tf_harness import train_tape
 
@@ -18,20 +19,11 @@ PER_TENSOR = {"bucket_bytes": 0}
 
 @pytest.fixture
 def allgathers(monkeypatch):
-    """The names of the allgathers built while tracing (Horovod's own allgather, called through)."""
-    names = []
-    original = mpi_ops.allgather
-
-    def recording(tensor, name=None, *args, **kwargs):
-        names.append(name)
-        return original(tensor, name, *args, **kwargs)
-
-    monkeypatch.setattr(mpi_ops, "allgather", recording)
-    return names
+    """The names of the allgathers built while tracing."""
+    return record_allgathers(monkeypatch)
 
 
-def _exchanges(names):
-    return sorted(n for n in names if n and n.startswith("topk.") and not n.startswith("topk.check"))
+_exchanges = topk_exchanges
 
 
 def _residuals(compressor):
