@@ -434,3 +434,33 @@ def test_the_default_target_exchanges_adams_updates_and_sgds_gradients():
     with tf.GradientTape() as tape:
         tf.reduce_sum(tf.Variable(1.0) * 2.0)
     hvd.DistributedGradientTape(tape, compression=TopKEF())
+
+
+@pytest.mark.parametrize("second_moment", ["local", "calibrated"])
+def test_update_mode_updates_in_buckets_train_as_the_per_tensor_exchange(second_moment, monkeypatch):
+    """The compressed updates travel in one allgather per step (one bucket), and the weights and residuals are those
+    of one allgather per update, bit for bit."""
+    from tests.tf_allgathers import record_allgathers, topk_exchanges
+
+    def train(bucket_bytes):
+        model = _model()
+        compressor = TopKEF(ratio=0.05, min_numel=256, target="update", second_moment=second_moment,
+                            bucket_bytes=bucket_bytes)
+        step = _train_step(model, _wrap(keras.optimizers.Adam(1e-2), compressor))
+        for x, y in _batches(3, hvd.rank()):
+            step(x, y, tf.constant(1.0))
+        return _weights(model), _residuals(compressor)
+
+    names = record_allgathers(monkeypatch)
+    ours, our_residuals = train(1 << 20)
+    bucketed = topk_exchanges(names)
+    names.clear()
+    theirs, their_residuals = train(0)
+    per_tensor = topk_exchanges(names)
+    for i, (u, v) in enumerate(zip(ours, theirs)):
+        np.testing.assert_array_equal(u, v, err_msg=f"weight {i}")
+    assert our_residuals.keys() == their_residuals.keys() and our_residuals
+    for key in our_residuals:
+        np.testing.assert_array_equal(our_residuals[key], their_residuals[key], err_msg=key)
+    assert len(per_tensor) == 2 and len(bucketed) == 1 and bucketed[0].startswith("topk.bucket.")  # both kernels
+    assert _same_on_every_rank(ours, f"bucketed.{second_moment}")

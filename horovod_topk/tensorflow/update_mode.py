@@ -18,10 +18,11 @@ point -- ``apply`` in Keras 3, ``apply_gradients`` in Keras 2 -- runs on every r
    the user's optimizer steps on this rank's own gradient (its clipping, schedule and state are this rank's), the
    update is the variables before minus after;
 4. each update goes through the compressor (error feedback, selection, allgather / sparse allreduce / compact
-   encoding, Horovod's dense allreduce where core's plan says dense), keyed ``update.<variable>``;
+   encoding, Horovod's dense allreduce where core's plan says dense), keyed ``update.<variable>``, the
+   allgather's in buckets of ``bucket_bytes``;
 5. every rank sets each variable to (before - the averaged update): the same bytes on every rank.
 
-The math and the decisions are core's (core.update_mode, core.plan via ``TopKEF.start_reduction``); this module
+The math and the decisions are core's (core.update_mode, core.plan via ``TopKEF.start_group``); this module
 only orders the TensorFlow ops (tensorflow.noise_share has the sketch's). The shared second moment is PyTorch's (it
 computes torch's Adam): refused here.
 """
@@ -142,7 +143,7 @@ class UpdateStep:
                     self._shares = {}
             with tf.control_dependencies(_ops_of(applied)):
                 updates = [b - t.read_value() for b, t in zip(before, targets)]
-            averaged = [self._exchange(u, key) for u, key in zip(updates, keys)]
+            averaged = self._exchange(updates, keys)
             assigns = [t.assign(b - a) for t, b, a in zip(targets, before, averaged)]
             if self.sketch_width:  # the sketch's bytes in each update's traffic (stats())
                 nbytes = 4 * (self.sketch_width + 1)
@@ -197,19 +198,24 @@ class UpdateStep:
         total = _allreduce(count, name=NONFINITE_NAME, op=Sum, ignore_name_scope=True, process_set=self.process_set)
         return tf.equal(tf.reshape(total, []), 0.0)
 
-    def _exchange(self, update: tf.Tensor, key: str) -> tf.Tensor:
-        """The ranks' average of ``update`` through the compressor (or Horovod's dense allreduce where core plans a
-        dense tensor)."""
+    def _exchange(self, updates: Sequence[tf.Tensor], keys: Sequence[str]) -> List[tf.Tensor]:
+        """The ranks' average of every update through the compressor, in buckets of bucket_bytes (one allgather per
+        bucket, horovod_topk.tensorflow.buckets: the updates are all ready at once), or Horovod's dense allreduce
+        where core plans a dense tensor."""
         from horovod.tensorflow import _allreduce
         from horovod.tensorflow.mpi_ops import Average
 
-        marked, pending = self.compressor.compress(update)
-        reduced = self.compressor.start_reduction(marked, pending, key, op_name="average", prescale_factor=1.0,
-                                                  postscale_factor=1.0, process_set=self.process_set)
-        if reduced is None:  # unmarked: the routing hands it to Horovod's own allreduce
-            reduced = _allreduce(update, name=f"{key}.dense", op=Average, ignore_name_scope=True,
-                                 process_set=self.process_set)
-        return tf.reshape(reduced, tf.shape(update))
+        marked = [self.compressor.compress(u) for u in updates]
+        reduced = self.compressor.start_group(
+            [(alias, pending, key) for (alias, pending), key in zip(marked, keys)], self.compressor.config.bucket_bytes,
+            op_name="average", prescale_factor=1.0, postscale_factor=1.0, process_set=self.process_set)
+        out = []
+        for update, key, result in zip(updates, keys, reduced):
+            if result is None:  # dense: Horovod's own allreduce
+                result = _allreduce(update, name=f"{key}.dense", op=Average, ignore_name_scope=True,
+                                    process_set=self.process_set)
+            out.append(tf.reshape(result, tf.shape(update)))
+        return out
 
     def _check_modes(self, grads: Sequence[Any], targets: Sequence[Any]) -> None:
         """At trace time, one eager fingerprint allgather per gradient, as gradient mode runs one per gradient when
