@@ -19,13 +19,22 @@ bucket's allgather once its last member is packed, while backward computes the g
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from ..core.buckets import BucketLayout, assign_buckets
 
-__all__ = ["assign", "gather"]
+__all__ = ["assign", "gather", "cap_in_force"]
+
+
+def cap_in_force(bucket_bytes: int) -> int:
+    """``bucket_bytes``, or 0 (one collective per tensor) under Horovod elastic: Horovod's elastic wrapper turns a
+    failed collective into a reset only when the error names HorovodAllreduce, HorovodAllgather or
+    HorovodBroadcast, which a grouped allreduce (HorovodGroupedAllreduce) does not, so a worker's death during a
+    grouped step would end the job instead of resetting it."""
+    return 0 if int(os.environ.get("HOROVOD_ELASTIC", "0") or 0) else bucket_bytes
 
 
 def assign(members: Sequence[Tuple[str, int]], cap_bytes: Optional[int]) -> List[Tuple[str, ...]]:

@@ -86,8 +86,9 @@ def _groups_asked(cap: int) -> Iterator[None]:
 def _asked_cap(compressor: Any) -> Optional[int]:
     """How start_group cuts a group of ``compressor``'s tensors: by its bucket_bytes when horovod-topk asked for the
     group, into single tensors with bucket_bytes 0, else not at all (the user's group is one bucket)."""
-    if _GROUPS_ASKED.cap is not None or compressor.config.bucket_bytes == 0:
-        return compressor.config.bucket_bytes
+    cap = buckets.cap_in_force(compressor.config.bucket_bytes)
+    if _GROUPS_ASKED.cap is not None or cap == 0:
+        return cap
     return None
 
 
@@ -103,18 +104,21 @@ def _grouping(make_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Horovod's ``_make_allreduce_grads_fn`` (what both DistributedOptimizers, the Keras wrapper and the tape
     build their reduction with), asking for one group per reduction where a TopKEF with bucket_bytes > 0 has no
     ``groups=`` from the user: Horovod then hands every dense gradient of the step to one grouped call, which cuts
-    it into buckets (horovod_topk.tensorflow.buckets). Sparse gradients (IndexedSlices, unless sparse_as_dense) and
-    a step without dense gradients keep Horovod's own function (its grouped path cannot take an empty group)."""
+    it into buckets (horovod_topk.tensorflow.buckets). Sparse gradients (IndexedSlices, unless sparse_as_dense), a
+    step without dense gradients (Horovod's grouped path cannot take an empty group) and Horovod elastic
+    (buckets.cap_in_force) keep Horovod's own function."""
     @functools.wraps(make_fn)
     def make(name: Any, device_dense: Any, device_sparse: Any, compression: Any, sparse_as_dense: Any, op: Any,
              gradient_predivide_factor: Any, groups: Any, process_set: Any) -> Callable[..., Any]:
         plain = make_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
                         gradient_predivide_factor, groups, process_set)
-        if groups is not None or not _uses_topk(compression) or _compressor(compression).config.bucket_bytes == 0:
+        if groups is not None or not _uses_topk(compression):
+            return plain
+        cap = buckets.cap_in_force(_compressor(compression).config.bucket_bytes)
+        if cap == 0:
             return plain
         grouped = make_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,
                           gradient_predivide_factor, 1, process_set)
-        cap = _compressor(compression).config.bucket_bytes
 
         def allreduce_grads(grads: Sequence[Any], vars: Optional[Sequence[Any]] = None,
                             use_generic_names: bool = False) -> Any:
