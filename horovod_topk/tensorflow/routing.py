@@ -163,11 +163,13 @@ def install() -> None:
             return _normalize_name(pending.source_name)
         return None  # eager, unnamed: nothing stable to key a residual on, so it stays dense
 
+    def op_name_of(op: Any) -> str:
+        return "average" if op == Average else "sum" if op == Sum else repr(op)
+
     def start(tensor: Any, pending: PendingReduction, name: str, op: Any, pre: float, post: float, ps: Any) -> Any:
         _refuse_update_mode(pending.compressor, TENSORFLOW_REFUSAL)
-        op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         return pending.compressor.start_reduction(
-            tensor, pending, name, op_name=op_name, prescale_factor=pre, postscale_factor=post, process_set=ps
+            tensor, pending, name, op_name=op_name_of(op), prescale_factor=pre, postscale_factor=post, process_set=ps
         )
 
     def _allreduce(tensor: Any, name: Optional[str] = None, op: Any = Sum, prescale_factor: float = 1.0,
@@ -200,12 +202,11 @@ def install() -> None:
             if pending is not None and key is not None:
                 _refuse_update_mode(pending.compressor, TENSORFLOW_REFUSAL)
                 members.setdefault(id(pending.compressor), []).append((position, tensor, pending, key))
-        op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         for group in members.values():
             compressor = group[0][2].compressor
-            cap = _asked_cap(compressor)
             reduced = compressor.start_group(
-                [(tensor, pending, key) for _, tensor, pending, key in group], cap, op_name=op_name,
+                [(tensor, pending, key) for _, tensor, pending, key in group], _asked_cap(compressor),
+                op_name=op_name_of(op),
                 prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set)
             for (position, *_), out in zip(group, reduced):
                 outputs[position] = out
