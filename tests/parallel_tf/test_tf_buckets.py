@@ -128,3 +128,42 @@ def test_ranks_that_disagree_about_bucket_bytes_raise_on_every_rank():
     options = BUCKETED if hvd.rank() == 0 else PER_TENSOR
     with pytest.raises(RankMismatch, match="bucket_bytes|configuration"):
         train_tape(TopKEF(ratio=0.05, min_numel=0, **options), steps=1)
+
+
+def _train_with_a_nan(compressor, steps=3):
+    """train_tape's model and SGD, with rank 1's w1 gradient all NaN at the last step (a term of the loss that only
+    w1's gradient sees; the last, so that no later forward pass spreads w1's NaN to the other gradients)."""
+    from .tf_harness import apply, batch, loss_fn, make_variables
+
+    v = make_variables()
+    names = sorted(v)
+
+    @tf.function
+    def step(x, tokens, y, poison):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(v, x, tokens, y) + tf.reduce_sum(v["w1"]) * poison
+        reduced = hvd.DistributedGradientTape(tape, compression=compressor).gradient(loss, [v[n] for n in names])
+        apply(v, names, reduced)
+
+    for s in range(steps):
+        poison = float("nan") if (s == steps - 1 and hvd.rank() == 1) else 0.0
+        step(*batch(s), tf.constant(poison))
+    return {n: v[n].numpy() for n in names}
+
+
+def test_a_nan_in_one_member_leaves_its_bucket_mates_as_per_tensor():
+    """Rank 1's w1 gradient is NaN for one step: w1's average is NaN (NaN entries are sent, never kept), while its
+    bucket-mates' values and every residual are those of the per-tensor exchange, and no residual holds NaN."""
+    bucketed = TopKEF(ratio=0.05, min_numel=0, **BUCKETED)
+    ours = _train_with_a_nan(bucketed)
+    per_tensor = TopKEF(ratio=0.05, min_numel=0, **PER_TENSOR)
+    theirs = _train_with_a_nan(per_tensor)
+    for name in ours:  # NaN where per tensor has NaN (w1), the same bytes elsewhere
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    assert np.isnan(ours["w1"]).any() and all(np.isfinite(ours[n]).all() for n in ("w2", "head", "b1"))
+    mine, others = _residuals(bucketed), _residuals(per_tensor)
+    assert mine.keys() == others.keys()
+    for name in mine:
+        np.testing.assert_array_equal(mine[name], others[name], err_msg=name)
+        assert np.isfinite(mine[name]).all(), name
+    assert bucketed.stats()["nonfinite_steps"] == (1 if hvd.rank() == 1 else 0)
