@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["dense", "topk0.01", "topk0.01-warmup"]
+METHODS = ["dense", "topk0.01", "topk0.01-per-tensor", "topk0.01-warmup"]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -54,6 +54,7 @@ def worker(args: argparse.Namespace) -> None:
         data = tf.random.uniform([args.batch, args.image, args.image, 3])
         target = tf.random.uniform([args.batch, 1], minval=0, maxval=999, dtype=tf.int64)
         compression = {"dense": hvd.Compression.none, "topk0.01": TopKEF(ratio=0.01),
+                       "topk0.01-per-tensor": TopKEF(ratio=0.01, bucket_bytes=0),  # one allgather per tensor
                        "topk0.01-warmup": TopKEF(ratio=0.01, warmup_steps=args.warmup_steps)}[method]
 
         @tf.function
