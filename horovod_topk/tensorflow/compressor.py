@@ -58,6 +58,7 @@ class _Step:
     scale: float
     process_set: Any
 
+
 @dataclass(frozen=True)
 class _Bucketable:
     """A tensor planned for the allgather at a fixed ``k``, up to its send: it may share a bucket's collective."""
