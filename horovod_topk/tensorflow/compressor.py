@@ -188,7 +188,10 @@ class TopKEF(TopKEFBase[Any]):
         """:meth:`start_reduction` of each of a group's ``members`` ((gradient, its mark, its name) in Horovod's
         order), the members planned for the allgather with a fixed k in buckets of ``cap_bytes`` (None: the group
         is one bucket; 0: every member on its own): one allgather per bucket (horovod_topk.tensorflow.buckets).
-        None where a member goes dense."""
+        None where a member goes dense. Under Horovod elastic every member travels on its own
+        (buckets.cap_in_force)."""
+        if cap_bytes is not None:
+            cap_bytes = buckets.cap_in_force(cap_bytes)
         outputs: List[Optional[tf.Tensor]] = []
         waiting: Dict[str, Tuple[int, _Bucketable]] = {}
         for position, (tensor, pending, name) in enumerate(members):

@@ -86,7 +86,7 @@ def _groups_asked(cap: int) -> Iterator[None]:
 def _asked_cap(compressor: Any) -> Optional[int]:
     """How start_group cuts a group of ``compressor``'s tensors: by its bucket_bytes when horovod-topk asked for the
     group, into single tensors with bucket_bytes 0, else not at all (the user's group is one bucket)."""
-    cap = buckets.cap_in_force(compressor.config.bucket_bytes)
+    cap = compressor.config.bucket_bytes
     if _GROUPS_ASKED.cap is not None or cap == 0:
         return cap
     return None

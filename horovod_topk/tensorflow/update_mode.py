@@ -40,7 +40,7 @@ from ..core.update_mode import (
     sketch_layout,
     update_tensor_names,
 )
-from . import buckets, keras3, noise_share
+from . import keras3, noise_share
 
 __all__ = ["distributed_optimizer", "update_keys", "second_moment_of", "SUM_REFUSAL"]
 
@@ -207,8 +207,7 @@ class UpdateStep:
 
         marked = [self.compressor.compress(u) for u in updates]
         reduced = self.compressor.start_group(
-            [(alias, pending, key) for (alias, pending), key in zip(marked, keys)],
-            buckets.cap_in_force(self.compressor.config.bucket_bytes),
+            [(alias, pending, key) for (alias, pending), key in zip(marked, keys)], self.compressor.config.bucket_bytes,
             op_name="average", prescale_factor=1.0, postscale_factor=1.0, process_set=self.process_set)
         out = []
         for update, key, result in zip(updates, keys, reduced):
