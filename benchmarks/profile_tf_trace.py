@@ -19,6 +19,8 @@ One worker by default (``hvd.init()`` alone: on one rank the exchange is the all
     python benchmarks/profile_tf_trace.py --methods topk topk-exact --profile 25
     horovodrun -np 2 -H localhost:2 --gloo python benchmarks/profile_tf_trace.py --layers 60 --steps 20 \
         --methods dense topk topk-per-tensor        # buckets against one allgather per tensor
+    horovodrun -np 4 -H localhost:4 --gloo python benchmarks/profile_tf_trace.py --layers 60 --steps 100 \
+        --methods topk topk-sparse topk-sparse-per-tensor   # the sparse allreduce per bucket and per tensor
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Any, Dict
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-METHODS = ("dense", "topk", "topk-per-tensor", "topk-exact", "topk-warmup")
+METHODS = ("dense", "topk", "topk-per-tensor", "topk-sparse", "topk-sparse-per-tensor", "topk-exact", "topk-warmup")
 
 
 def op_count(graph_def: Any) -> int:
@@ -84,6 +86,9 @@ def main() -> None:
         compression = {"dense": hvd.Compression.none, "topk": TopKEF(ratio=0.01, **buckets),
                        # every tensor in its own allgather (bucket_bytes=0), against topk's buckets
                        "topk-per-tensor": TopKEF(ratio=0.01, bucket_bytes=0),
+                       # the sparse allreduce: one alltoall + one allgather per bucket, against two per tensor
+                       "topk-sparse": TopKEF(ratio=0.01, exchange="sparse_allreduce", **buckets),
+                       "topk-sparse-per-tensor": TopKEF(ratio=0.01, exchange="sparse_allreduce", bucket_bytes=0),
                        "topk-exact": TopKEF(ratio=0.01, selector="exact"),
                        "topk-warmup": TopKEF(ratio=0.01, warmup_steps=args.warmup_steps)}[method]
 

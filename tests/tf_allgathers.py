@@ -1,21 +1,33 @@
-"""The names of the allgathers a TensorFlow step builds (Horovod's own allgather, called through): which collectives
-a bucketed or per-tensor exchange issues, for the multi-worker TensorFlow and Keras 3 tests."""
+"""The names of the allgathers (and alltoalls) a TensorFlow step builds (Horovod's own collectives, called through):
+which collectives a bucketed or per-tensor exchange issues, for the multi-worker TensorFlow and Keras 3 tests."""
 from typing import Any, List
+
+
+def _record(monkeypatch: Any, collective: str) -> List[str]:
+    import inspect
+
+    import horovod.tensorflow.mpi_ops as mpi_ops
+
+    names: List[str] = []
+    original = getattr(mpi_ops, collective)
+    signature = inspect.signature(original)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        names.append(signature.bind(*args, **kwargs).arguments.get("name"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mpi_ops, collective, recording)
+    return names
 
 
 def record_allgathers(monkeypatch: Any) -> List[str]:
     """Start recording the name of every allgather built from now on (until ``monkeypatch`` undoes it)."""
-    import horovod.tensorflow.mpi_ops as mpi_ops
+    return _record(monkeypatch, "allgather")
 
-    names: List[str] = []
-    original = mpi_ops.allgather
 
-    def recording(tensor: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
-        names.append(name)
-        return original(tensor, name, *args, **kwargs)
-
-    monkeypatch.setattr(mpi_ops, "allgather", recording)
-    return names
+def record_alltoalls(monkeypatch: Any) -> List[str]:
+    """The same for every alltoall (the sparse allreduce's first phase)."""
+    return _record(monkeypatch, "alltoall")
 
 
 def topk_exchanges(names: List[str]) -> List[str]:

@@ -5,14 +5,16 @@ horovod-topk asks Horovod for one group per reduction, horovod_topk.tensorflow.r
 allgather with a fixed k is still compensated, selected and packed by its own send body
 (horovod_topk.tensorflow.steps), exactly as on its own; the payloads of a bucket's members are concatenated in the
 bucket's order and travel in one allgather named from its members (core.buckets.bucket_collective_name); each
-member's receive body gets its P payloads cut out of the gathered buffer. A bucket therefore changes how many
-collectives run and how many ops the traced step holds, never what is selected or applied (a bucketed step equals
-the per-tensor one bit for bit).
+member's receive body gets its P payloads cut out of the gathered buffer. Members planned for the sparse allreduce
+share its two collectives the same way (horovod_topk.tensorflow.sparse_allreduce.reduce_bucket: row r of the
+alltoall holds every member's block for rank r). A bucket therefore changes how many collectives run and how many
+ops the traced step holds, never what is selected or applied (a bucketed step equals the per-tensor one bit for
+bit).
 
 Which members share a bucket (:func:`assign`): the members of one group, in the order backward produces them (the
 reverse of Horovod's list, as core.buckets assumes) up to ``bucket_bytes`` of gradient; a group the user gave is one
 bucket whatever its bytes, as in PyTorch. Members whose route changes from step to step inside the graph (a
-warm-up, ratio="auto") and those of the sparse allreduce travel on their own.
+warm-up, ratio="auto") travel on their own.
 
 Overlap: a bucket's concatenation depends only on its members' payloads, so TensorFlow's executor starts the
 bucket's allgather once its last member is packed, while backward computes the gradients of the next buckets.

@@ -61,10 +61,12 @@ class _Step:
 
 @dataclass(frozen=True)
 class _Bucketable:
-    """A tensor planned for the allgather at a fixed ``k``, up to its send: it may share a bucket's collective."""
+    """A tensor planned for a fixed ``k`` and ``exchange``, up to its selection: it may share a bucket's
+    collectives."""
 
     step: _Step
     k: int
+    exchange: str
 
 
 @dataclass(frozen=True)
@@ -186,10 +188,10 @@ class TopKEF(TopKEFBase[Any]):
         process_set: Any,
     ) -> List[Optional[tf.Tensor]]:
         """:meth:`start_reduction` of each of a group's ``members`` ((gradient, its mark, its name) in Horovod's
-        order), the members planned for the allgather with a fixed k in buckets of ``cap_bytes`` (None: the group
-        is one bucket; 0: every member on its own): one allgather per bucket (horovod_topk.tensorflow.buckets).
-        None where a member goes dense. Under Horovod elastic every member travels on its own
-        (buckets.cap_in_force)."""
+        order), the members planned with a fixed k in buckets of ``cap_bytes`` (None: the group is one bucket; 0:
+        every member on its own): per bucket one allgather of its allgather members and one sparse allreduce (an
+        alltoall and an allgather) of its sparse-allreduce members (horovod_topk.tensorflow.buckets). None where
+        a member goes dense. Under Horovod elastic every member travels on its own (buckets.cap_in_force)."""
         if cap_bytes is not None:
             cap_bytes = buckets.cap_in_force(cap_bytes)
         outputs: List[Optional[tf.Tensor]] = []
@@ -202,17 +204,36 @@ class TopKEF(TopKEFBase[Any]):
             outputs.append(prepared)
         sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in waiting.items()]
         for bucket in buckets.assign(sizes_in_order, cap_bytes):
-            held = [waiting[name] for name in bucket]
-            if len(held) == 1:
-                position, member = held[0]
-                outputs[position] = self._topk_reduce(member.step, ALLGATHER, member.k)
-                continue
-            sent = [self._send(member.step, ALLGATHER, member.k) for _, member in held]
-            layout = BucketLayout(tuple(bucket), tuple(payload.nbytes for payload in sent))
-            gathered = buckets.gather([payload.payload for payload in sent], layout, process_set)
-            for (position, member), payload, rows in zip(held, sent, gathered):
-                outputs[position] = self._receive(member.step, payload, rows)
+            for exchange in (ALLGATHER, SPARSE_ALLREDUCE):  # a bucket's members of each exchange travel together
+                held = [waiting[name] for name in bucket if waiting[name][1].exchange == exchange]
+                if len(held) == 1:
+                    position, member = held[0]
+                    outputs[position] = self._topk_reduce(member.step, exchange, member.k)
+                elif held and exchange == ALLGATHER:
+                    self._gather_bucket(held, outputs, process_set)
+                elif held:
+                    self._sparse_bucket(held, outputs, process_set)
         return outputs
+
+    def _gather_bucket(self, held: Sequence[Tuple[int, "_Bucketable"]], outputs: List[Optional[tf.Tensor]],
+                       process_set: Any) -> None:
+        """The allgather of a bucket's members: each one's send, one collective, each one's receive."""
+        sent = [self._send(member.step, ALLGATHER, member.k) for _, member in held]
+        layout = BucketLayout(tuple(member.step.name for _, member in held), tuple(p.nbytes for p in sent))
+        gathered = buckets.gather([payload.payload for payload in sent], layout, process_set)
+        for (position, member), payload, rows in zip(held, sent, gathered):
+            outputs[position] = self._receive(member.step, payload, rows)
+
+    def _sparse_bucket(self, held: Sequence[Tuple[int, "_Bucketable"]], outputs: List[Optional[tf.Tensor]],
+                       process_set: Any) -> None:
+        """The sparse allreduce of a bucket's members: each one's selection, one alltoall and one allgather
+        (sparse_allreduce.reduce_bucket), each one's state updates."""
+        selected = [self._sparse_select(member.step, member.k) for _, member in held]
+        results = sparse_allreduce.reduce_bucket([s[0] for s in selected], [m.step.name for _, m in held],
+                                                 process_set)
+        for (position, member), (chosen, momentum, finite), (dense, residual) in zip(held, selected, results):
+            outputs[position] = self._sparse_finish(member.step, dense, residual, momentum, finite,
+                                                    chosen.layouts.sent_nbytes)
 
     def _prepare(self, tensor: tf.Tensor, pending: PendingReduction, name: str, op_name: str, prescale_factor: float,
                  postscale_factor: float, process_set: Any) -> Union[None, tf.Tensor, "_Bucketable"]:
@@ -270,7 +291,7 @@ class TopKEF(TopKEFBase[Any]):
         assert k is not None and exchange is not None
         record.exchange = exchange  # (traced once: the exchange of the traced step function)
         if not self.config.warmup_steps:
-            return _Bucketable(step, k) if exchange == ALLGATHER else self._topk_reduce(step, exchange, k)
+            return _Bucketable(step, k, exchange)
         schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
                                    value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
                                    sparse_available=True)
@@ -321,14 +342,11 @@ class TopKEF(TopKEFBase[Any]):
         from horovod.tensorflow.mpi_ops import allgather
 
         if exchange == SPARSE_ALLREDUCE:
-            plan = self._size_plan(step, exchange, k, t)
-            size = plan.at(t)
-            assert size.sparse is not None
-            indices, values, new_residual, new_momentum, finite = shared.call(
-                ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k,
-                self._select_dtype(step, plan), size.sampling, step.momentum, self.config.momentum)
-            reduced = self._sparse_allreduce(step, indices, values, new_residual, new_momentum, finite, size.sparse)
-            return tf.reshape(reduced, step.shape)
+            member, new_momentum, finite = self._sparse_select(step, k, t)
+            dense, new_residual, sent_nbytes = sparse_allreduce.reduce(
+                member.indices, member.values, member.residual, member.layouts, numel=step.numel,
+                wire_dtype=step.wire_dtype, name=step.name, process_set=step.process_set)
+            return self._sparse_finish(step, dense, new_residual, new_momentum, finite, sent_nbytes)
         sent = self._send(step, exchange, k, t)
         gathered = allgather(sent.payload, name=allgather_name(step.name), ignore_name_scope=True,
                              process_set=step.process_set)
@@ -379,14 +397,24 @@ class TopKEF(TopKEFBase[Any]):
         reduced.set_shape(step.shape)
         return reduced
 
-    def _sparse_allreduce(self, step: "_Step", indices: tf.Tensor, values: tf.Tensor, new_residual: tf.Tensor,
-                          new_momentum: Optional[tf.Tensor], finite: tf.Tensor,
-                          layouts: sizes.SparseLayouts) -> tf.Tensor:
-        """The rest of _topk_reduce under exchange "sparse_allreduce" (horovod_topk.tensorflow.sparse_allreduce):
-        the residual is written after both phases, which put back into it the entries no owner applied."""
-        dense, new_residual, sent_nbytes = sparse_allreduce.reduce(
-            indices, values, new_residual, layouts, numel=step.numel, wire_dtype=step.wire_dtype, name=step.name,
-            process_set=step.process_set)
+    def _sparse_select(self, step: "_Step", k: Union[int, Sequence[int]], t: Optional[tf.Tensor] = None
+                       ) -> Tuple[sparse_allreduce.Member, Optional[tf.Tensor], tf.Tensor]:
+        """The sparse allreduce's half before its collectives: the error-feedback selection of ``step``
+        (ops.error_feedback_step). Returns (its part of the exchange, the new momentum buffer, whether the
+        gradient was finite)."""
+        plan = self._size_plan(step, SPARSE_ALLREDUCE, k, t)
+        size = plan.at(t)
+        assert size.sparse is not None
+        indices, values, new_residual, new_momentum, finite = shared.call(
+            ops.error_feedback_step, tf.reshape(step.tensor, [-1]), step.residual, size.k,
+            self._select_dtype(step, plan), size.sampling, step.momentum, self.config.momentum)
+        member = sparse_allreduce.Member(indices, values, new_residual, size.sparse, step.numel, step.wire_dtype)
+        return member, new_momentum, finite
+
+    def _sparse_finish(self, step: "_Step", dense: tf.Tensor, new_residual: tf.Tensor,
+                       new_momentum: Optional[tf.Tensor], finite: tf.Tensor, sent_nbytes: ops.Size) -> tf.Tensor:
+        """The sparse allreduce's half after its collectives (horovod_topk.tensorflow.sparse_allreduce): the
+        residual is written after both phases, which put back into it the entries no owner applied."""
         updates = [step.residual.assign(new_residual), step.counters.assign_add(tf.stack([
             tf.constant(1, tf.int64), tf.cast(sent_nbytes, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
             1 - tf.cast(finite, tf.int64), tf.cast(step.guarded, tf.int64)]))]
@@ -396,7 +424,7 @@ class TopKEF(TopKEFBase[Any]):
             dense = tf.identity(dense)
         if step.scale != 1.0:
             dense = dense * tf.cast(step.scale, dense.dtype)
-        return tf.cast(dense, step.tensor.dtype)
+        return tf.reshape(tf.cast(dense, step.tensor.dtype), step.shape)
 
     def _dense_reduce(self, step: "_Step", op_name: str, prescale_factor: float, postscale_factor: float) -> tf.Tensor:
         """A warm-up step that goes dense: Horovod's own allreduce of the gradient plus what the residual still

@@ -25,10 +25,12 @@ Horovod matches the collectives across ranks by name.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Sequence, Tuple
 
 import tensorflow as tf
 
+from ..core.buckets import BucketLayout
 from ..core.exchange import HASH_MULTIPLIER
 from ..core.naming import alltoall_name, owners_allgather_name
 from . import ops
@@ -36,7 +38,7 @@ from . import ops
 if TYPE_CHECKING:
     from .sizes import Layout, SparseLayouts
 
-__all__ = ["regions", "reduce"]
+__all__ = ["Member", "regions", "reduce", "reduce_bucket"]
 
 
 def regions(indices: tf.Tensor, world_size: int) -> tf.Tensor:
@@ -80,6 +82,100 @@ def _size_check(received: tf.Tensor, expected: ops.Size, message: str) -> tf.Ope
     return tf.debugging.assert_equal(tf.size(received), expected, message=message)
 
 
+@dataclass(frozen=True)
+class Member:
+    """One tensor's part of a sparse allreduce: this rank's selection and what its phases need."""
+
+    indices: tf.Tensor  # (k,) this rank's selected indices
+    values: tf.Tensor  # (k,) their values, of ``wire_dtype``
+    residual: tf.Tensor  # the residual after the selection (the selected entries already removed)
+    layouts: "SparseLayouts"
+    numel: int
+    wire_dtype: tf.DType
+
+
+@dataclass(frozen=True)
+class _Routed:
+    """Phase 1's result for one member: its per-destination blocks and what the later phases put back."""
+
+    blocks: tf.Tensor  # (P, send.nbytes) uint8: row r goes to rank r
+    residual: tf.Tensor  # with the entries over a destination's capacity put back
+    indices: tf.Tensor  # the selection sorted by owner
+    values: tf.Tensor
+    fits: tf.Tensor  # which of them travel (the others are already back in the residual)
+
+
+def _route(member: Member, world_size: int) -> _Routed:
+    """Phase 1's arithmetic: this rank's entries bucketed by owner into fixed blocks (stable: within an owner the
+    selection's order is kept); entries beyond a block's capacity go back to the residual, sent on a later step."""
+    k, send = member.layouts.k, member.layouts.send
+    slots = world_size * send.k
+    indices = tf.cast(member.indices, tf.int32)
+    owner = regions(indices, world_size)
+    order = tf.argsort(owner, stable=True)
+    owner, indices, values = tf.gather(owner, order), tf.gather(indices, order), tf.gather(member.values, order)
+    counts = tf.math.bincount(owner, minlength=world_size, maxlength=world_size, dtype=tf.int32)
+    slot = tf.range(k, dtype=tf.int32) - tf.gather(tf.cumsum(counts, exclusive=True), owner)
+    fits = slot < send.k
+    residual = _add_to_residual(member.residual, tf.where(fits, -1, indices), values)
+    position = tf.where(fits, owner * send.k + slot, slots)[:, None]  # slot `slots` collects the overflow, dropped
+    block_indices = tf.tensor_scatter_nd_update(tf.fill([slots + 1], -1), position, indices)[:slots]
+    block_values = tf.tensor_scatter_nd_update(tf.zeros([slots + 1], member.wire_dtype), position, values)[:slots]
+    blocks = _pack_rows(tf.reshape(block_indices, [world_size, send.k]),
+                        tf.reshape(block_values, [world_size, send.k]), send)
+    return _Routed(blocks, residual, indices, values, fits)
+
+
+def _own(member: Member, routed: _Routed, received: tf.Tensor, world_size: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The owner's arithmetic on ``received`` (the P blocks every rank sent this one, back to back): sum per index,
+    keep the largest sums (non-finite first; empty slots sum nothing). Returns (this owner's kept payload, the
+    residual with the rounding of each kept sum to the wire dtype)."""
+    send, kept = member.layouts.send, member.layouts.kept
+    acc_dtype, wire_dtype = routed.residual.dtype, member.wire_dtype
+    slots = world_size * send.k
+    got_indices, got_values = ops.unpack(received, world_size, send, wire_dtype)
+    got_indices = tf.reshape(got_indices, [-1])
+    used = got_indices >= 0
+    got_values = tf.where(used, tf.cast(tf.reshape(got_values, [-1]), acc_dtype), tf.zeros([slots], acc_dtype))
+    _, segment = tf.unique(got_indices, out_idx=tf.int32)
+    sums = tf.math.unsorted_segment_sum(got_values, segment, slots)
+    owned = tf.math.unsorted_segment_max(got_indices, segment, slots)  # empty segments: the lowest int32
+    priority = tf.where(owned >= 0,
+                        tf.where(tf.math.is_finite(sums), tf.abs(sums), tf.fill([slots], tf.constant(float("inf"),
+                                                                                                    acc_dtype))),
+                        tf.fill([slots], tf.constant(-1.0, acc_dtype)))
+    top = tf.math.top_k(priority, _minimum(kept.k, slots), sorted=False).indices
+    valid = tf.gather(priority, top) >= 0
+    kept_indices = tf.where(valid, tf.gather(owned, top), -1)
+    kept_sums = tf.where(valid, tf.gather(sums, top), tf.zeros_like(valid, acc_dtype))
+    if not isinstance(kept.k, int) or kept.k > slots:  # more kept slots than entries received: the rest stay empty
+        empty = tf.maximum(kept.k - slots, 0)
+        kept_indices = tf.concat([kept_indices, tf.fill([empty], -1)], 0)
+        kept_sums = tf.concat([kept_sums, tf.zeros([empty], acc_dtype)], 0)
+    kept_values = tf.cast(kept_sums, wire_dtype)
+    # the owner re-sends its sums rounded to the wire dtype: the rounding stays here, in its residual
+    residual = _add_to_residual(routed.residual, kept_indices, kept_sums - tf.cast(kept_values, acc_dtype))
+    return ops.pack(kept_indices, kept_values, kept), residual
+
+
+def _apply(member: Member, routed: _Routed, residual: tf.Tensor, gathered: tf.Tensor,
+           world_size: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Every owner's kept sums (``gathered``: P kept payloads back to back) as the flat dense sum every rank
+    applies, and the residual with this rank's sent entries that no owner kept put back: nothing is lost."""
+    kept, acc_dtype = member.layouts.kept, residual.dtype
+    applied_indices, applied_values = ops.unpack(gathered, world_size, kept, member.wire_dtype)
+    applied_indices = tf.reshape(applied_indices, [-1])
+    applied = applied_indices >= 0
+    safe_indices = tf.where(applied, applied_indices, tf.zeros_like(applied_indices))
+    applied_values = tf.where(applied, tf.cast(tf.reshape(applied_values, [-1]), acc_dtype),
+                              tf.zeros([world_size * kept.k], acc_dtype))
+    dense = tf.math.unsorted_segment_sum(applied_values, safe_indices, member.numel)
+    hit = tf.math.unsorted_segment_max(tf.cast(applied, tf.int32), safe_indices, member.numel) > 0
+    dropped = tf.logical_and(routed.fits, tf.logical_not(tf.gather(hit, routed.indices)))
+    residual = _add_to_residual(residual, tf.where(dropped, routed.indices, -1), routed.values)
+    return dense, residual
+
+
 def reduce(
     indices: tf.Tensor,
     values: tf.Tensor,
@@ -102,73 +198,55 @@ def reduce(
     from horovod.tensorflow.mpi_ops import allgather, alltoall
 
     world_size = process_set.size()
-    k = layouts.k
-    acc_dtype = residual.dtype
-    send, kept = layouts.send, layouts.kept
-    slots = world_size * send.k
-
-    # ---- phase 1: bucket by owner into fixed blocks (stable: within an owner the selection's order is kept)
-    indices = tf.cast(indices, tf.int32)
-    owner = regions(indices, world_size)
-    order = tf.argsort(owner, stable=True)
-    owner, indices, values = tf.gather(owner, order), tf.gather(indices, order), tf.gather(values, order)
-    counts = tf.math.bincount(owner, minlength=world_size, maxlength=world_size, dtype=tf.int32)
-    slot = tf.range(k, dtype=tf.int32) - tf.gather(tf.cumsum(counts, exclusive=True), owner)
-    fits = slot < send.k
-    # over a destination's capacity: stays in this rank's residual, sent on a later step
-    residual = _add_to_residual(residual, tf.where(fits, -1, indices), values)
-    position = tf.where(fits, owner * send.k + slot, slots)[:, None]  # slot `slots` collects the overflow, dropped
-    block_indices = tf.tensor_scatter_nd_update(tf.fill([slots + 1], -1), position, indices)[:slots]
-    block_values = tf.tensor_scatter_nd_update(tf.zeros([slots + 1], wire_dtype), position, values)[:slots]
-    blocks = _pack_rows(tf.reshape(block_indices, [world_size, send.k]),
-                        tf.reshape(block_values, [world_size, send.k]), send)
-    received = alltoall(blocks, name=alltoall_name(name), ignore_name_scope=True, process_set=process_set)
+    member = Member(indices, values, residual, layouts, numel, wire_dtype)
+    send, kept, k = layouts.send, layouts.kept, layouts.k
+    routed = _route(member, world_size)
+    received = alltoall(routed.blocks, name=alltoall_name(name), ignore_name_scope=True, process_set=process_set)
     expected = f"{world_size} x {send.nbytes}, k={k}" if isinstance(k, int) else "this warm-up step's size"
     check = _size_check(received, world_size * send.nbytes, (
         f"horovod-topk: ranks disagree about tensor {name!r}: the sparse allreduce received another number of bytes "
         f"than this rank expects ({expected}). Check that every rank uses the same TopKEF configuration and the "
         f"same model."))
     with tf.control_dependencies([check]):
-        got_indices, got_values = ops.unpack(tf.reshape(received, [-1]), world_size, send, wire_dtype)
-
-    # ---- the owner: sum per index, keep the largest sums (non-finite first); empty slots sum nothing
-    got_indices = tf.reshape(got_indices, [-1])
-    used = got_indices >= 0
-    got_values = tf.where(used, tf.cast(tf.reshape(got_values, [-1]), acc_dtype), tf.zeros([slots], acc_dtype))
-    _, segment = tf.unique(got_indices, out_idx=tf.int32)
-    sums = tf.math.unsorted_segment_sum(got_values, segment, slots)
-    owned = tf.math.unsorted_segment_max(got_indices, segment, slots)  # empty segments: the lowest int32
-    priority = tf.where(owned >= 0,
-                        tf.where(tf.math.is_finite(sums), tf.abs(sums), tf.fill([slots], tf.constant(float("inf"),
-                                                                                                    acc_dtype))),
-                        tf.fill([slots], tf.constant(-1.0, acc_dtype)))
-    top = tf.math.top_k(priority, _minimum(kept.k, slots), sorted=False).indices
-    valid = tf.gather(priority, top) >= 0
-    kept_indices = tf.where(valid, tf.gather(owned, top), -1)
-    kept_sums = tf.where(valid, tf.gather(sums, top), tf.zeros_like(valid, acc_dtype))
-    if not isinstance(kept.k, int) or kept.k > slots:  # more kept slots than entries received: the rest stay empty
-        empty = tf.maximum(kept.k - slots, 0)
-        kept_indices = tf.concat([kept_indices, tf.fill([empty], -1)], 0)
-        kept_sums = tf.concat([kept_sums, tf.zeros([empty], acc_dtype)], 0)
-    kept_values = tf.cast(kept_sums, wire_dtype)
-    # the owner re-sends its sums rounded to the wire dtype: the rounding stays here, in its residual
-    residual = _add_to_residual(residual, kept_indices, kept_sums - tf.cast(kept_values, acc_dtype))
-
-    # ---- phase 2: every rank receives every owner's kept sums and applies the same entries
-    gathered = allgather(ops.pack(kept_indices, kept_values, kept), name=owners_allgather_name(name),
-                         ignore_name_scope=True, process_set=process_set)
+        received = tf.reshape(received, [-1])
+    payload, residual = _own(member, routed, received, world_size)
+    gathered = allgather(payload, name=owners_allgather_name(name), ignore_name_scope=True, process_set=process_set)
     check = _size_check(gathered, world_size * kept.nbytes, kept.mismatch_message(name, world_size))
     with tf.control_dependencies([check]):
-        applied_indices, applied_values = ops.unpack(gathered, world_size, kept, wire_dtype)
-    applied_indices = tf.reshape(applied_indices, [-1])
-    applied = applied_indices >= 0
-    safe_indices = tf.where(applied, applied_indices, tf.zeros_like(applied_indices))
-    applied_values = tf.where(applied, tf.cast(tf.reshape(applied_values, [-1]), acc_dtype),
-                              tf.zeros([world_size * kept.k], acc_dtype))
-    dense = tf.math.unsorted_segment_sum(applied_values, safe_indices, numel)
-
-    # this rank's sent entries that no owner kept go back to its residual: nothing is lost
-    hit = tf.math.unsorted_segment_max(tf.cast(applied, tf.int32), safe_indices, numel) > 0
-    dropped = tf.logical_and(fits, tf.logical_not(tf.gather(hit, indices)))
-    residual = _add_to_residual(residual, tf.where(dropped, indices, -1), values)
+        gathered = tf.identity(gathered)
+    dense, residual = _apply(member, routed, residual, gathered, world_size)
     return dense, residual, layouts.sent_nbytes
+
+
+def reduce_bucket(members: Sequence[Member], names: Sequence[str],
+                  process_set: Any) -> List[Tuple[tf.Tensor, tf.Tensor]]:
+    """:func:`reduce` of several tensors with a fixed k each (named ``names``, in the bucket's order) by one
+    alltoall and one allgather: row r of the alltoall holds every member's block for rank r, the allgather every
+    member's kept payload, back to back in the bucket's order, so each member's arithmetic is exactly its own
+    (a bucket changes how many collectives run, never what is applied). The collectives are named from the
+    members (core.buckets.bucket_collective_name); a size other than every rank's layout implies (ranks that
+    disagree about the bucket) fails the step on every rank with the bucket's name and members. Returns per
+    member (flat dense sum, residual), as :func:`reduce`."""
+    from horovod.tensorflow.mpi_ops import allgather, alltoall
+
+    world_size = process_set.size()
+    routed = [_route(member, world_size) for member in members]
+    rows = BucketLayout(tuple(names), tuple(int(m.layouts.send.nbytes) for m in members))
+    received = alltoall(tf.concat([r.blocks for r in routed], axis=1), name=alltoall_name(rows.collective_name),
+                        ignore_name_scope=True, process_set=process_set)
+    check = _size_check(received, world_size * rows.total_nbytes,
+                        rows.disagreement_message(world_size, "the sparse allreduce's alltoall received another size"))
+    with tf.control_dependencies([check]):
+        received = tf.reshape(received, [world_size, rows.total_nbytes])
+    owned = [_own(member, r, tf.reshape(received[:, start:start + nbytes], [-1]), world_size)
+             for member, r, start, nbytes in zip(members, routed, rows.offsets, rows.nbytes)]
+    kept = BucketLayout(tuple(names), tuple(int(m.layouts.kept.nbytes) for m in members))
+    gathered = allgather(tf.concat([payload for payload, _ in owned], axis=0),
+                         name=owners_allgather_name(kept.collective_name), ignore_name_scope=True,
+                         process_set=process_set)
+    check = _size_check(gathered, world_size * kept.total_nbytes,
+                        kept.disagreement_message(world_size, "the sparse allreduce's allgather received another size"))
+    with tf.control_dependencies([check]):
+        gathered = tf.reshape(gathered, [world_size, kept.total_nbytes])
+    return [_apply(member, r, residual, tf.reshape(gathered[:, start:start + nbytes], [-1]), world_size)
+            for member, r, (_, residual), start, nbytes in zip(members, routed, owned, kept.offsets, kept.nbytes)]

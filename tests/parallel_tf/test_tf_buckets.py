@@ -1,5 +1,6 @@
 """Buckets in TensorFlow on real Horovod workers: a bucketed step equals the per-tensor step bit for bit (tape and
-Keras, under the options that change what a member sends), one allgather carries a bucket's compressed members,
+Keras, under the options that change what a member sends), one allgather (the sparse allreduce: one alltoall and
+one allgather) carries a bucket's compressed members,
 the user's groups are the buckets, and ranks that disagree about bucket_bytes raise instead of hanging."""
 import horovod.tensorflow as hvd
 import numpy as np
@@ -9,7 +10,7 @@ import tensorflow as tf
 from horovod_topk.core import RankMismatch
 from horovod_topk.tensorflow import TopKEF
 
-from tests.tf_allgathers import record_allgathers, topk_exchanges
+from tests.tf_allgathers import record_allgathers, record_alltoalls, topk_exchanges
 
 from .tf_harness import train_tape
 
@@ -21,6 +22,12 @@ PER_TENSOR = {"bucket_bytes": 0}
 def allgathers(monkeypatch):
     """The names of the allgathers built while tracing."""
     return record_allgathers(monkeypatch)
+
+
+@pytest.fixture
+def alltoalls(monkeypatch):
+    """The names of the alltoalls built while tracing."""
+    return record_alltoalls(monkeypatch)
 
 
 _exchanges = topk_exchanges
@@ -41,14 +48,15 @@ def _residuals(compressor):
     {"ratio": 0.05, "min_numel": 0, "warmup_steps": 2},
     {"ratio": 0.05, "min_numel": 0, "exchange": "sparse_allreduce"},
 ])
-def test_a_bucketed_tape_step_equals_the_per_tensor_step(options, allgathers):
+def test_a_bucketed_tape_step_equals_the_per_tensor_step(options, allgathers, alltoalls):
     bucketed = TopKEF(**options, **BUCKETED)
     ours = train_tape(bucketed, steps=4)
-    built_bucketed = _exchanges(allgathers)
+    built_bucketed, alltoalls_bucketed = _exchanges(allgathers), sorted(set(alltoalls))
     allgathers.clear()
+    alltoalls.clear()
     per_tensor = TopKEF(**options, **PER_TENSOR)
     theirs = train_tape(per_tensor, steps=4)
-    built_per_tensor = _exchanges(allgathers)
+    built_per_tensor, alltoalls_per_tensor = _exchanges(allgathers), sorted(set(alltoalls))
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     mine, others = _residuals(bucketed), _residuals(per_tensor)
@@ -57,8 +65,13 @@ def test_a_bucketed_tape_step_equals_the_per_tensor_step(options, allgathers):
         np.testing.assert_array_equal(mine[name], others[name], err_msg=name)
     assert bucketed.stats()["bytes_sent"] == per_tensor.stats()["bytes_sent"]
     compressed = [n for n in built_per_tensor if not n.startswith("topk.bucket.")]
-    if "warmup_steps" in options or "exchange" in options:  # routes that travel on their own
+    if "warmup_steps" in options:  # routes that change per step travel on their own
         assert built_bucketed == built_per_tensor
+    elif "exchange" in options:  # the four compressed tensors' alltoalls and owners' allgathers: one each
+        assert len(alltoalls_per_tensor) == 4 and not alltoalls_per_tensor[0].startswith("topk-sar1.topk.bucket.")
+        assert len(alltoalls_bucketed) == 1 and alltoalls_bucketed[0].startswith("topk-sar1.topk.bucket.")
+        owners = sorted({n for n in allgathers if n and n.startswith("topk-sar2.")})
+        assert len(owners) == 4
     else:  # the four compressed tensors (w1, w2, head, b1) in one allgather instead of one each
         assert len(compressed) == 4
         assert len(built_bucketed) == 1 and built_bucketed[0].startswith("topk.bucket.")
