@@ -33,7 +33,7 @@ import tensorflow as tf
 from ..core.buckets import BucketLayout
 from ..core.exchange import HASH_MULTIPLIER
 from ..core.naming import alltoall_name, owners_allgather_name
-from . import ops
+from . import ops, shared
 
 if TYPE_CHECKING:
     from .sizes import Layout, SparseLayouts
@@ -105,33 +105,49 @@ class _Routed:
     fits: tf.Tensor  # which of them travel (the others are already back in the residual)
 
 
+# Each phase's arithmetic is a body of plain arguments, traced once per distinct (sizes, layouts) by shared.call and
+# shared by every tensor that has them: a bucket of 60 equal matrices adds 60 call ops per phase, not 60 copies of
+# some eighty ops each (a warm-up's per-step sizes are tensors, not plain values: those members build their ops).
+
 def _route(member: Member, world_size: int) -> _Routed:
-    """Phase 1's arithmetic: this rank's entries bucketed by owner into fixed blocks (stable: within an owner the
-    selection's order is kept); entries beyond a block's capacity go back to the residual, sent on a later step."""
-    k, send = member.layouts.k, member.layouts.send
+    """Phase 1's arithmetic (:func:`_route_body`) of ``member``."""
+    return _Routed(*shared.call(_route_body, member.indices, member.values, member.residual, member.layouts.k,
+                                member.layouts.send, world_size, member.wire_dtype))
+
+
+def _route_body(indices: tf.Tensor, values: tf.Tensor, residual: tf.Tensor, k: ops.Size, send: "Layout",
+                world_size: int, wire_dtype: tf.DType) -> Tuple[tf.Tensor, ...]:
+    """This rank's entries bucketed by owner into fixed blocks (stable: within an owner the selection's order is
+    kept); entries beyond a block's capacity go back to the residual, sent on a later step. Returns _Routed's
+    fields."""
     slots = world_size * send.k
-    indices = tf.cast(member.indices, tf.int32)
+    indices = tf.cast(indices, tf.int32)
     owner = regions(indices, world_size)
     order = tf.argsort(owner, stable=True)
-    owner, indices, values = tf.gather(owner, order), tf.gather(indices, order), tf.gather(member.values, order)
+    owner, indices, values = tf.gather(owner, order), tf.gather(indices, order), tf.gather(values, order)
     counts = tf.math.bincount(owner, minlength=world_size, maxlength=world_size, dtype=tf.int32)
     slot = tf.range(k, dtype=tf.int32) - tf.gather(tf.cumsum(counts, exclusive=True), owner)
     fits = slot < send.k
-    residual = _add_to_residual(member.residual, tf.where(fits, -1, indices), values)
+    residual = _add_to_residual(residual, tf.where(fits, -1, indices), values)
     position = tf.where(fits, owner * send.k + slot, slots)[:, None]  # slot `slots` collects the overflow, dropped
     block_indices = tf.tensor_scatter_nd_update(tf.fill([slots + 1], -1), position, indices)[:slots]
-    block_values = tf.tensor_scatter_nd_update(tf.zeros([slots + 1], member.wire_dtype), position, values)[:slots]
+    block_values = tf.tensor_scatter_nd_update(tf.zeros([slots + 1], wire_dtype), position, values)[:slots]
     blocks = _pack_rows(tf.reshape(block_indices, [world_size, send.k]),
                         tf.reshape(block_values, [world_size, send.k]), send)
-    return _Routed(blocks, residual, indices, values, fits)
+    return blocks, residual, indices, values, fits
 
 
 def _own(member: Member, routed: _Routed, received: tf.Tensor, world_size: int) -> Tuple[tf.Tensor, tf.Tensor]:
-    """The owner's arithmetic on ``received`` (the P blocks every rank sent this one, back to back): sum per index,
-    keep the largest sums (non-finite first; empty slots sum nothing). Returns (this owner's kept payload, the
-    residual with the rounding of each kept sum to the wire dtype)."""
-    send, kept = member.layouts.send, member.layouts.kept
-    acc_dtype, wire_dtype = routed.residual.dtype, member.wire_dtype
+    """The owner's arithmetic (:func:`_own_body`) on ``received``, the P blocks every rank sent this one."""
+    return shared.call(_own_body, received, routed.residual, member.layouts.send, member.layouts.kept, world_size,
+                       member.wire_dtype)
+
+
+def _own_body(received: tf.Tensor, residual: tf.Tensor, send: "Layout", kept: "Layout", world_size: int,
+              wire_dtype: tf.DType) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Sum per index, keep the largest sums (non-finite first; empty slots sum nothing). Returns (this owner's kept
+    payload, the residual with the rounding of each kept sum to the wire dtype)."""
+    acc_dtype = residual.dtype
     slots = world_size * send.k
     got_indices, got_values = ops.unpack(received, world_size, send, wire_dtype)
     got_indices = tf.reshape(got_indices, [-1])
@@ -154,25 +170,32 @@ def _own(member: Member, routed: _Routed, received: tf.Tensor, world_size: int) 
         kept_sums = tf.concat([kept_sums, tf.zeros([empty], acc_dtype)], 0)
     kept_values = tf.cast(kept_sums, wire_dtype)
     # the owner re-sends its sums rounded to the wire dtype: the rounding stays here, in its residual
-    residual = _add_to_residual(routed.residual, kept_indices, kept_sums - tf.cast(kept_values, acc_dtype))
+    residual = _add_to_residual(residual, kept_indices, kept_sums - tf.cast(kept_values, acc_dtype))
     return ops.pack(kept_indices, kept_values, kept), residual
 
 
 def _apply(member: Member, routed: _Routed, residual: tf.Tensor, gathered: tf.Tensor,
            world_size: int) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Every owner's kept sums (``gathered``: P kept payloads back to back) as the flat dense sum every rank
-    applies, and the residual with this rank's sent entries that no owner kept put back: nothing is lost."""
-    kept, acc_dtype = member.layouts.kept, residual.dtype
-    applied_indices, applied_values = ops.unpack(gathered, world_size, kept, member.wire_dtype)
+    """:func:`_apply_body` of ``member`` on ``gathered``, every owner's kept payload back to back."""
+    return shared.call(_apply_body, gathered, residual, routed.indices, routed.values, routed.fits,
+                       member.layouts.kept, member.numel, world_size, member.wire_dtype)
+
+
+def _apply_body(gathered: tf.Tensor, residual: tf.Tensor, indices: tf.Tensor, values: tf.Tensor, fits: tf.Tensor,
+                kept: "Layout", numel: int, world_size: int, wire_dtype: tf.DType) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Every owner's kept sums as the flat dense sum every rank applies, and the residual with this rank's sent
+    entries that no owner kept put back: nothing is lost."""
+    acc_dtype = residual.dtype
+    applied_indices, applied_values = ops.unpack(gathered, world_size, kept, wire_dtype)
     applied_indices = tf.reshape(applied_indices, [-1])
     applied = applied_indices >= 0
     safe_indices = tf.where(applied, applied_indices, tf.zeros_like(applied_indices))
     applied_values = tf.where(applied, tf.cast(tf.reshape(applied_values, [-1]), acc_dtype),
                               tf.zeros([world_size * kept.k], acc_dtype))
-    dense = tf.math.unsorted_segment_sum(applied_values, safe_indices, member.numel)
-    hit = tf.math.unsorted_segment_max(tf.cast(applied, tf.int32), safe_indices, member.numel) > 0
-    dropped = tf.logical_and(routed.fits, tf.logical_not(tf.gather(hit, routed.indices)))
-    residual = _add_to_residual(residual, tf.where(dropped, routed.indices, -1), routed.values)
+    dense = tf.math.unsorted_segment_sum(applied_values, safe_indices, numel)
+    hit = tf.math.unsorted_segment_max(tf.cast(applied, tf.int32), safe_indices, numel) > 0
+    dropped = tf.logical_and(fits, tf.logical_not(tf.gather(hit, indices)))
+    residual = _add_to_residual(residual, tf.where(dropped, indices, -1), values)
     return dense, residual
 
 
