@@ -93,18 +93,22 @@ class _Geometry:
         self.total = self.base_list[-1]
         self.entry_member = torch.repeat_interleave(torch.arange(len(members), device=device), as_tensor(self.k))
         # per entry of this rank's payloads, in the member-major order phase 1 sorts them into: static, since every
-        # member has exactly k entries
+        # member has exactly k entries (gathered here once: a gather from a per-member table costs ~1 ms per 250k
+        # entries on the CPU, every step)
         self.entry_base = self.base[self.entry_member]
         self.capacity = as_tensor([m.capacity for m in members])
+        self.entry_capacity = self.capacity[self.entry_member]
         self.kept = as_tensor([m.kept for m in members])
         self.kept_list = [m.kept for m in members]
         self.kept_bounds = _offsets(self.kept_list)
         #: Each slot of this rank's kept payloads: its member and its rank among the member's kept sums.
         self.own_member = torch.repeat_interleave(torch.arange(len(members), device=device), as_tensor(self.kept_list))
         self.own_rank = torch.cat([torch.arange(q, dtype=torch.int64, device=device) for q in self.kept_list])
+        self.own_base = self.base[self.own_member]
         # phase 1: a member's block for owner o starts at element o * width / size + at / size of a row
-        self.send_index_at = as_tensor([m.send_at // 4 for m in members])
-        self.send_value_at = as_tensor([(m.send_at + m.send_values) // itemsize for m in members])
+        self.entry_send_index_at = as_tensor([m.send_at // 4 for m in members])[self.entry_member]
+        self.entry_send_value_at = as_tensor([(m.send_at + m.send_values) // itemsize for m in members])[
+            self.entry_member]
         # phase 2: every slot of every received block, member-major, then sender, then slot
         self.recv_index = _field_positions(P, send_width, [m.send_at for m in members],
                                            [m.capacity for m in members], 4, device)
@@ -126,6 +130,7 @@ class _Geometry:
                                                self.kept_list, itemsize, device)
         self.gathered_member = torch.repeat_interleave(torch.arange(len(members), device=device),
                                                        as_tensor(self.gathered_sizes))
+        self.gathered_base = self.base[self.gathered_member]
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,12 +233,12 @@ class _Group:
         slot = torch.arange(order.numel(), device=order.device) - (torch.cumsum(counts, 0) - counts)[key_sorted]
         member, owner = geo.entry_member, key_sorted - geo.entry_member * P  # sorted member-major: member is static
         self.sent_indices, self.sent_values = indices[order], values[order]
-        self.fits = slot < geo.capacity[member]
+        self.fits = slot < geo.entry_capacity
         self.sent_keys = self.sent_indices + geo.entry_base
         width = (buf.numel() - 8) // P  # bytes per row of the alltoall
-        _scatter_into(buf, torch.int32, owner * (width // 4) + geo.send_index_at[member] + slot, self.fits,
+        _scatter_into(buf, torch.int32, owner * (width // 4) + geo.entry_send_index_at + slot, self.fits,
                       self.sent_indices)
-        _scatter_into(buf, self.wire_dtype, owner * (width // self.itemsize) + geo.send_value_at[member] + slot,
+        _scatter_into(buf, self.wire_dtype, owner * (width // self.itemsize) + geo.entry_send_value_at + slot,
                       self.fits, self.sent_values)
         # over a destination's capacity: stays in this rank's residual for later steps
         for j in _members_where(~self.fits, member, len(self.requests)):
@@ -266,7 +271,7 @@ class _Group:
         at = torch.where(valid, (torch.cumsum(counts, 0) - counts)[geo.own_member] + geo.own_rank,
                          torch.zeros_like(geo.own_rank))
         chosen = ranked[at]
-        kept_local = torch.where(valid, unique[chosen] - geo.base[geo.own_member], torch.full_like(at, -1))
+        kept_local = torch.where(valid, unique[chosen] - geo.own_base, torch.full_like(at, -1))
         kept_sums = torch.where(valid, sums[chosen], torch.zeros((), dtype=self.acc_dtype, device=at.device))
         view_index, view_value = out.view(torch.int32), out.view(self.wire_dtype)
         view_index[geo.own_index] = kept_local.to(torch.int32)
@@ -287,7 +292,7 @@ class _Group:
             used = indices >= 0
             values = gathered.view(self.wire_dtype)[geo.gathered_value]
             applied = torch.zeros(geo.total + 1, dtype=torch.bool, device=indices.device)
-            applied[torch.where(used, indices + geo.base[geo.gathered_member], torch.full_like(indices, geo.total))] = True
+            applied[torch.where(used, indices + geo.gathered_base, torch.full_like(indices, geo.total))] = True
             dropped = self.fits & ~applied[self.sent_keys]
             for j, request in enumerate(self.requests):
                 s, e = geo.entry_starts[j], geo.entry_starts[j + 1]
