@@ -102,7 +102,8 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=METHODS,
-                        choices=METHODS + ["topk-allgather", "topk-allgather-per-tensor"])
+                        choices=METHODS + ["topk-allgather", "topk-allgather-per-tensor", "topk-sparse_allreduce",
+                                           "topk-sparse_allreduce-per-tensor"])
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--depth", type=int, default=24)
