@@ -155,7 +155,13 @@ class BucketLayout:
     def disagreement_message(self, world_size: int, received: str = "received another size") -> str:
         """The error for a gathered bucket of the wrong size, ``received`` saying what arrived (a graph built
         before any step knows only that the size differs)."""
-        return (f"horovod-topk: ranks disagree about the bucket {self.collective_name!r} (members "
-                f"{', '.join(self.members)}): {received}, this rank expects {world_size * self.total_nbytes} bytes "
-                f"({world_size} x {self.total_nbytes}). Every rank must run the same model with the same TopKEF "
+        return self.members_disagreement_message(
+            self.members, f"{received}, this rank expects {world_size * self.total_nbytes} bytes ({world_size} x "
+                          f"{self.total_nbytes})")
+
+    @staticmethod
+    def members_disagreement_message(members: Sequence[str], detail: str) -> str:
+        """The same error where the sizes are known only per step (a warm-up's, ratio="auto"'s)."""
+        return (f"horovod-topk: ranks disagree about the bucket {bucket_collective_name(members)!r} (members "
+                f"{', '.join(members)}): {detail}. Every rank must run the same model with the same TopKEF "
                 f"configuration (bucket_bytes included).")

@@ -110,6 +110,29 @@ def route_schedule(plans: Sequence[TensorPlan]) -> Optional[RouteSchedule]:
                          tuple(plan.k or 0 for plan in plans))
 
 
+def bucket_routes(schedules: Sequence[RouteSchedule]) -> Tuple[Tuple[Tuple[str, ...], ...], Tuple[int, ...]]:
+    """The routes a bucket's members take together, for a traced graph that holds one branch per combination.
+
+    ``schedules``: one RouteSchedule per member, all over the same positions (one sparsity warm-up, or
+    ratio="auto"'s densities). Returns (the distinct combinations, each a route per member, in the order the
+    positions first take them; the combination each position takes). A bucket whose members all go dense early
+    and compressed later has two, whatever its number of members: a branch executes a combination as one bucket
+    (the members that go dense alone, the others sharing their exchange's collectives), and the sizes within it
+    are each member's own at the position in force, as on its own."""
+    lengths = {len(schedule.phase) for schedule in schedules}
+    if len(lengths) != 1:
+        raise ValueError(f"horovod-topk: a bucket's route schedules must cover the same positions, got lengths "
+                         f"{sorted(lengths)}")
+    combinations: list = []
+    which = []
+    for position in range(lengths.pop()):
+        combination = tuple(s.routes[s.phase[position]] for s in schedules)
+        if combination not in combinations:
+            combinations.append(combination)
+        which.append(combinations.index(combination))
+    return tuple(combinations), tuple(which)
+
+
 def warmup_schedule(
     name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int, value_itemsize: int,
     grad_itemsize: int, sparse_available: bool = False,

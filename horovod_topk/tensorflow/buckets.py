@@ -13,8 +13,11 @@ bit).
 
 Which members share a bucket (:func:`assign`): the members of one group, in the order backward produces them (the
 reverse of Horovod's list, as core.buckets assumes) up to ``bucket_bytes`` of gradient; a group the user gave is one
-bucket whatever its bytes, as in PyTorch. Members whose route changes from step to step inside the graph (a
-warm-up, ratio="auto") travel on their own.
+bucket whatever its bytes, as in PyTorch. Members whose route and k change from step to step inside the graph (a
+warm-up, ratio="auto") share buckets with members at the same position: the bucket holds one ``tf.switch_case``
+branch per combination of its members' routes (core.policy.bucket_routes), and in a branch the allgather members
+share one allgather of the sizes in force (tensors, looked up per step), the dense ones take Horovod's allreduce
+each and the sparse-allreduce ones travel on their own.
 
 Overlap: a bucket's concatenation depends only on its members' payloads, so TensorFlow's executor starts the
 bucket's allgather once its last member is packed, while backward computes the gradients of the next buckets.
@@ -26,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from ..core.buckets import BucketLayout, assign_buckets
+from ..core.buckets import BucketLayout, assign_buckets, bucket_collective_name
 
 __all__ = ["assign", "gather", "cap_in_force"]
 
@@ -47,19 +50,30 @@ def assign(members: Sequence[Tuple[str, int]], cap_bytes: Optional[int]) -> List
     return assign_buckets(list(reversed(members)), cap_bytes)
 
 
-def gather(payloads: Sequence[tf.Tensor], layout: BucketLayout, process_set: object) -> List[tf.Tensor]:
-    """Every rank's payloads of the bucket ``layout`` (this rank's in ``payloads``, one per member, of the layout's
-    sizes), by one allgather: per member, its P payloads back to back, as its own allgather would return them.
-    A gathered size other than P times this rank's bucket payload (ranks that disagree about the bucket) fails the
-    step on every rank with the bucket's name and members."""
+def gather(payloads: Sequence[tf.Tensor], members: Sequence[str], process_set: object) -> List[tf.Tensor]:
+    """Every rank's payloads of the bucket of ``members`` (this rank's in ``payloads``, one per member, in the
+    bucket's order), by one allgather: per member, its P payloads back to back, as its own allgather would return
+    them. The payloads' sizes are static (a fixed k) or tensors (a warm-up's or ratio="auto"'s k, looked up per
+    step). A gathered size other than P times this rank's bucket payload (ranks that disagree about the bucket)
+    fails the step on every rank with the bucket's name and members."""
     from horovod.tensorflow.mpi_ops import allgather
 
     world_size = process_set.size()  # type: ignore[attr-defined]
-    joined = tf.concat([tf.reshape(p, [-1]) for p in payloads], axis=0)
-    gathered = allgather(joined, name=layout.collective_name, ignore_name_scope=True, process_set=process_set)
-    check = tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * layout.total_nbytes),
-                                [tf.constant(layout.disagreement_message(world_size))])
+    flat = [tf.reshape(p, [-1]) for p in payloads]
+    static = [p.shape.num_elements() for p in flat]
+    if all(n is not None for n in static):
+        layout = BucketLayout(tuple(members), tuple(int(n) for n in static))
+        sizes, starts, total = list(layout.nbytes), list(layout.offsets), layout.total_nbytes
+        message = layout.disagreement_message(world_size)
+    else:
+        sizes = [tf.size(p) for p in flat]
+        starts = tf.unstack(tf.cumsum(tf.stack(sizes), exclusive=True))
+        total = tf.add_n(sizes)
+        message = BucketLayout.members_disagreement_message(members, "received another size than this step's "
+                                                            "sizes imply")
+    gathered = allgather(tf.concat(flat, axis=0), name=bucket_collective_name(members), ignore_name_scope=True,
+                         process_set=process_set)
+    check = tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * total), [tf.constant(message)])
     with tf.control_dependencies([check]):
-        rows = tf.reshape(gathered, [world_size, layout.total_nbytes])
-    return [tf.reshape(rows[:, start:start + nbytes], [-1])
-            for start, nbytes in zip(layout.offsets, layout.nbytes)]
+        rows = tf.reshape(gathered, [world_size, total])
+    return [tf.reshape(tf.slice(rows, [0, start], [world_size, nbytes]), [-1]) for start, nbytes in zip(starts, sizes)]

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..core.autodensity import auto_schedule
-from ..core.policy import RouteSchedule, spike_guard_scale, warmup_schedule
+from ..core.policy import RouteSchedule, bucket_routes, spike_guard_scale, warmup_schedule
 
 from ..core import (
     PendingReduction,
@@ -31,7 +31,6 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
-from ..core.buckets import BucketLayout
 from ..core.exchange import ALLGATHER, DENSE, SPARSE_ALLREDUCE
 from . import buckets, ops, shared, sizes, sparse_allreduce, steps
 from .auto_density import AutoTick
@@ -70,6 +69,18 @@ class _Bucketable:
 
 
 @dataclass(frozen=True)
+class _Scheduled:
+    """A tensor whose route and k change from step to step inside the graph (a sparsity warm-up, ratio="auto"), up
+    to its exchange: members with the same ``key`` take the same position every step, so they may share a bucket
+    (horovod_topk.core.policy.bucket_routes)."""
+
+    step: _Step
+    schedule: RouteSchedule
+    position: tf.Tensor  # this step's position in the schedule (int32 scalar)
+    key: tuple  # ("auto",): the tick's density; ("warmup", t): the warm-up step at trace time, capped at its last
+
+
+@dataclass(frozen=True)
 class _Sent:
     """One tensor's allgather payload on its way out (steps.send), and what its receive needs."""
 
@@ -77,11 +88,6 @@ class _Sent:
     finite: tf.Tensor
     plan: sizes.SizePlan
     row: tf.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        """This rank's payload bytes (a fixed k: a Python int)."""
-        return int(self.plan.layouts[0].nbytes)
 
 
 _WIRE_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
@@ -196,12 +202,22 @@ class TopKEF(TopKEFBase[Any]):
             cap_bytes = buckets.cap_in_force(cap_bytes)
         outputs: List[Optional[tf.Tensor]] = []
         waiting: Dict[str, Tuple[int, _Bucketable]] = {}
+        scheduled: Dict[tuple, Dict[str, Tuple[int, _Scheduled]]] = {}
         for position, (tensor, pending, name) in enumerate(members):
             prepared = self._prepare(tensor, pending, name, op_name, prescale_factor, postscale_factor, process_set)
             if isinstance(prepared, _Bucketable):
                 waiting[name] = (position, prepared)
                 prepared = None
+            elif isinstance(prepared, _Scheduled):
+                scheduled.setdefault(prepared.key, {})[name] = (position, prepared)
+                prepared = None
             outputs.append(prepared)
+        dense = functools.partial(self._dense_reduce, op_name=op_name, prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor)
+        for same_positions in scheduled.values():
+            sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in same_positions.items()]
+            for bucket in buckets.assign(sizes_in_order, cap_bytes):
+                self._scheduled_bucket([same_positions[name] for name in bucket], outputs, dense)
         sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in waiting.items()]
         for bucket in buckets.assign(sizes_in_order, cap_bytes):
             for exchange in (ALLGATHER, SPARSE_ALLREDUCE):  # a bucket's members of each exchange travel together
@@ -219,8 +235,8 @@ class TopKEF(TopKEFBase[Any]):
                        process_set: Any) -> None:
         """The allgather of a bucket's members: each one's send, one collective, each one's receive."""
         sent = [self._send(member.step, ALLGATHER, member.k) for _, member in held]
-        layout = BucketLayout(tuple(member.step.name for _, member in held), tuple(p.nbytes for p in sent))
-        gathered = buckets.gather([payload.payload for payload in sent], layout, process_set)
+        gathered = buckets.gather([payload.payload for payload in sent], [member.step.name for _, member in held],
+                                  process_set)
         for (position, member), payload, rows in zip(held, sent, gathered):
             outputs[position] = self._receive(member.step, payload, rows)
 
@@ -236,10 +252,10 @@ class TopKEF(TopKEFBase[Any]):
                                                     chosen.layouts.sent_nbytes)
 
     def _prepare(self, tensor: tf.Tensor, pending: PendingReduction, name: str, op_name: str, prescale_factor: float,
-                 postscale_factor: float, process_set: Any) -> Union[None, tf.Tensor, "_Bucketable"]:
+                 postscale_factor: float, process_set: Any) -> Union[None, "_Bucketable", "_Scheduled"]:
         """Everything of a tensor's reduction up to its exchange: the agreement check, the counters, the state,
-        the spike guard. Returns None (dense), the reduced tensor (routes that change per step, the sparse
-        allreduce), or, for the allgather at a fixed k, what its send needs: it may share a bucket."""
+        the spike guard. Returns None (dense) or what its exchange needs, at a fixed k or by schedule: it may
+        share a bucket."""
         world_size = process_set.size()
         scale = reduction_scale(op_name, prescale_factor, postscale_factor, world_size)
         if any(d is None for d in pending.shape):
@@ -287,7 +303,8 @@ class TopKEF(TopKEFBase[Any]):
                      dense_nbytes, scale, process_set)
         if schedule is not None:
             assert self._auto_tick is not None
-            return self._auto_reduce(step, schedule, self._auto_tick, op_name, prescale_factor, postscale_factor)
+            self._auto_tick.follow(name, schedule)
+            return _Scheduled(step, schedule, self._auto_tick.choice(name, process_set), ("auto",))
         assert k is not None and exchange is not None
         record.exchange = exchange  # (traced once: the exchange of the traced step function)
         if not self.config.warmup_steps:
@@ -296,21 +313,58 @@ class TopKEF(TopKEFBase[Any]):
                                    value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
                                    sparse_available=True)
         assert schedule is not None  # this step is compressed, hence the last one is
-        position = tf.minimum(counters[0], len(schedule.phase) - 1)
-        return self._scheduled_reduce(step, schedule, position, op_name, prescale_factor, postscale_factor)
+        last = len(schedule.phase) - 1
+        with tf.init_scope():  # members at the same warm-up step stay together: every step reduces all of them
+            at_trace = min(int(counters.numpy()[0]), last)
+        return _Scheduled(step, schedule, tf.minimum(counters[0], last), ("warmup", at_trace))
 
-    def _auto_reduce(self, step: "_Step", schedule: RouteSchedule, tick: AutoTick, op_name: str,
-                     prescale_factor: float, postscale_factor: float) -> tf.Tensor:
-        """ratio="auto": the route and k of the density in force, which this step's tick returns (a branch per
-        route, sizes looked up by the density's position), stamped for the next decision's measurement."""
-        tick.follow(step.name, schedule)
-        position = tick.choice(step.name, step.process_set)
-        ready_stamp = tick.ready(step.name, step.tensor, position)
-        reduced = self._scheduled_reduce(step, schedule, position, op_name, prescale_factor, postscale_factor)
-        return tick.done(step.name, reduced, ready_stamp)
+    def _scheduled_bucket(self, held: Sequence[Tuple[int, "_Scheduled"]], outputs: List[Optional[tf.Tensor]],
+                          dense: Any) -> None:
+        """A bucket of members that change route and k per step (a warm-up, ratio="auto"): one ``tf.switch_case``
+        branch per combination of the members' routes (core.policy.bucket_routes), each executing the bucket at
+        the sizes of the position in force; a bucket of one is the tensor's own switch (:meth:`_scheduled_reduce`).
+        With ratio="auto" each member is stamped for the next decision's measurement."""
+        members = [member for _, member in held]
+        tick = self._auto_tick if members[0].key[0] == "auto" else None
+        stamps = [tick.ready(m.step.name, m.step.tensor, m.position) for m in members] if tick is not None else []
+        if len(members) == 1:
+            reduced = [self._scheduled_reduce(members[0].step, members[0].schedule, members[0].position, dense)]
+        else:
+            combinations, which = bucket_routes([m.schedule for m in members])
+            branches = [functools.partial(self._bucket_at, members, combination, dense)
+                        for combination in combinations]
+            reduced = branches[0]() if len(branches) == 1 else tf.switch_case(
+                tf.gather(tf.constant(which, tf.int32), members[0].position), branches)
+        for i, ((position, member), value) in enumerate(zip(held, reduced)):
+            outputs[position] = tick.done(member.step.name, value, stamps[i]) if tick is not None else value
 
-    def _scheduled_reduce(self, step: "_Step", schedule: RouteSchedule, position: tf.Tensor, op_name: str,
-                          prescale_factor: float, postscale_factor: float) -> tf.Tensor:
+    def _bucket_at(self, members: Sequence["_Scheduled"], routes: Sequence[str], dense: Any) -> List[tf.Tensor]:
+        """The members of a scheduled bucket under one combination of ``routes``: the dense ones each by Horovod's
+        allreduce, the allgather ones in one allgather at their sizes of the position in force, the sparse
+        allreduce ones each on its own (its per-step layouts)."""
+        out: List[Optional[tf.Tensor]] = [None] * len(members)
+        gathered = []
+        for i, (member, route) in enumerate(zip(members, routes)):
+            if route == DENSE:
+                out[i] = dense(member.step)
+            elif route == SPARSE_ALLREDUCE:
+                out[i] = self._topk_reduce(member.step, route, member.schedule.count, member.position)
+            else:
+                gathered.append(i)
+        if len(gathered) == 1:
+            member = members[gathered[0]]
+            out[gathered[0]] = self._topk_reduce(member.step, ALLGATHER, member.schedule.count, member.position)
+        elif gathered:
+            sent = [self._send(members[i].step, ALLGATHER, members[i].schedule.count, members[i].position)
+                    for i in gathered]
+            rows = buckets.gather([p.payload for p in sent], [members[i].step.name for i in gathered],
+                                  members[0].step.process_set)
+            for i, payload, received in zip(gathered, sent, rows):
+                out[i] = self._receive(members[i].step, payload, received)
+        return [tensor for tensor in out if tensor is not None]
+
+    def _scheduled_reduce(self, step: "_Step", schedule: RouteSchedule, position: tf.Tensor,
+                          dense: Any) -> tf.Tensor:
         """A route and k that change from step to step inside one traced graph: one ``tf.switch_case`` branch per
         route of ``schedule`` (core.policy.RouteSchedule: dense, allgather, sparse allreduce), each built once for
         every k, whose sizes it looks up by ``position`` (horovod_topk.tensorflow.sizes). Used by the sparsity
@@ -321,7 +375,7 @@ class TopKEF(TopKEFBase[Any]):
         be a second copy of the compressed path in every tensor's graph, the trace cost this design removes
         (README, "First-step (tracing) cost", has the per-step times of both)."""
         branches = [
-            functools.partial(self._dense_reduce, step, op_name, prescale_factor, postscale_factor) if route == DENSE
+            functools.partial(dense, step) if route == DENSE
             else functools.partial(self._topk_reduce, step, route, schedule.count, position)
             for route in schedule.routes
         ]
@@ -426,7 +480,8 @@ class TopKEF(TopKEFBase[Any]):
             dense = dense * tf.cast(step.scale, dense.dtype)
         return tf.reshape(tf.cast(dense, step.tensor.dtype), step.shape)
 
-    def _dense_reduce(self, step: "_Step", op_name: str, prescale_factor: float, postscale_factor: float) -> tf.Tensor:
+    def _dense_reduce(self, step: "_Step", *, op_name: str, prescale_factor: float,
+                      postscale_factor: float) -> tf.Tensor:
         """A warm-up step that goes dense: Horovod's own allreduce of the gradient plus what the residual still
         holds (nothing is lost when a tensor changes route), in the gradient's shape."""
         from horovod.tensorflow.mpi_ops import Average, Sum, _allreduce

@@ -174,6 +174,29 @@ def test_warmup_schedule_gives_each_step_its_plan_and_one_branch_per_route():
     assert warmup_schedule("b", 100, True, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None
 
 
+def test_bucket_routes_has_one_combination_per_distinct_set_of_member_routes():
+    """A bucket's members over one warm-up: on 32 workers the large tensor keeps the sparse allreduce through
+    steps where the small one goes dense, and the small one ends on the allgather (its k is small enough), so the
+    bucket has four combinations, in the order the steps first take them, and every step points at the routes each
+    member's own schedule gives it there."""
+    from horovod_topk.core.policy import bucket_routes, warmup_schedule
+
+    config = TopKConfig(ratio=0.01, warmup_steps=10)
+    args = dict(world_size=32, value_itemsize=4, grad_itemsize=4, sparse_available=True)
+    schedules = [warmup_schedule("big", 1_000_000, True, config, **args),
+                 warmup_schedule("small", 20_000, True, config, **args)]
+    combinations, which = bucket_routes(schedules)
+    assert len(which) == 11 and len(combinations) == len(set(combinations)) == max(which) + 1
+    for t, c in enumerate(which):
+        assert combinations[c] == tuple(s.routes[s.phase[t]] for s in schedules)
+    assert combinations == (("dense", "dense"), ("sparse_allreduce", "dense"),
+                            ("sparse_allreduce", "sparse_allreduce"), ("sparse_allreduce", "allgather"))
+    assert list(which) == sorted(which)  # first taken, first listed
+    with pytest.raises(ValueError, match="same positions"):
+        bucket_routes([schedules[0], warmup_schedule("w", 1_000_000, True, TopKConfig(ratio=0.01, warmup_steps=3),
+                                                     **args)])
+
+
 def test_warmup_schedule_with_the_sparse_allreduce_keeps_large_warm_up_ks_compressed():
     """On 32 workers an allgather of the warm-up's large k costs more than a dense allreduce, a sparse allreduce
     does not: with the sparse allreduce available, steps that would go dense stay compressed, with the k that

@@ -18,6 +18,7 @@ from horovod_topk.core.autodensity import auto_schedule
 from horovod_topk.core.policy import tensor_payload_layout
 from horovod_topk.tensorflow import TopKEF, auto_density
 
+from tests.tf_allgathers import record_allgathers, topk_exchanges
 from tests.auto_links import (FIRST_DECISION, fast_link, much_slower_link, script, slow_link,
                                sparse_slower_than_dense)
 
@@ -116,6 +117,32 @@ def test_each_density_sends_its_k_and_error_feedback_stays_exact_through_every_c
     gathered = hvd.allgather_object(params, name="tf.auto.ef.params")
     for name in params:
         np.testing.assert_array_equal(gathered[0][name], gathered[1][name])
+
+
+def test_buckets_train_as_the_per_tensor_exchange_through_every_change(monkeypatch):
+    """The compressed tensors in one bucket (one allgather in each compressed branch) or each on its own: across
+    dense -> sparse -> dense -> sparse the variables, residuals and bytes are the same bit for bit."""
+    measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    runs = []
+    for bucket_bytes in (1 << 20, 0):
+        script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
+        built = record_allgathers(monkeypatch)
+        compressor = TopKEF(ratio="auto", auto_every=FIRST_DECISION, min_numel=0, bucket_bytes=bucket_bytes)
+        ratios = []
+        params = run(compressor, range(4 * FIRST_DECISION), on_step=lambda *args: ratios.append(compressor.auto.ratio))
+        residuals = {key: record.residual.numpy().copy() for key, record in compressor.registry.records.items()
+                     if record.residual is not None}
+        runs.append((params, residuals, ratios, compressor.stats()["bytes_sent"], topk_exchanges(built)))
+    (params, residuals, ratios, sent, built), (params0, residuals0, ratios0, sent0, built0) = runs
+    assert ratios == ratios0 and len({r for r in ratios}) >= 2
+    for name in params:
+        np.testing.assert_array_equal(params[name], params0[name], err_msg=name)
+    assert residuals.keys() == residuals0.keys() and residuals
+    for key in residuals:
+        np.testing.assert_array_equal(residuals[key], residuals0[key], err_msg=key)
+    assert sent == sent0
+    assert len(built0) == 4 and not any(n.startswith("topk.bucket.") for n in built0), (built0, built)
+    assert len(built) == 1 and built[0].startswith("topk.bucket.") and ".4." in built[0]
 
 
 def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
