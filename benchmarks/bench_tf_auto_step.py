@@ -5,8 +5,8 @@
 
 The Keras digits CNN (examples/digits_keras.py), a batch of 32, SGD, one ``tf.function`` step through
 ``hvd.DistributedGradientTape``. Alone (``hvd.init()`` in one process) the collectives are local, so what differs
-between the rows is the graph around them (auto: per compressed tensor a ``tf.switch_case`` over its routes and
-two stamps, one host tick per step); under horovodrun the collectives are real, and the methods are compared side
+between the rows is the graph around them (auto: per bucket a ``tf.switch_case`` over its members' routes,
+``auto-per-tensor`` one per compressed tensor; two stamps per tensor, one host tick per step); under horovodrun the collectives are real, and the methods are compared side
 by side in one job. Methods alternate within each round; each gets a fresh model, 30 untimed steps (tracing,
 auto's first decisions), then ``--steps`` timed ones. Rank 0 prints the median step per method and its ratio to
 dense. ``--ablate`` adds auto with one part replaced at a time (its dense branch by Horovod's bare allreduce, its
@@ -33,7 +33,7 @@ from horovod_topk.tensorflow import TopKEF  # noqa: E402
 
 from horovod_topk.tensorflow import auto_density, compressor as tf_compressor  # noqa: E402
 
-METHODS = ("dense", "0.01", "auto")
+METHODS = ("dense", "0.01", "auto", "auto-per-tensor")
 #: --ablate: auto with one of its parts replaced, to see what each costs (not a working compressor: timing only)
 ABLATIONS = ("auto-plain-dense", "auto-no-stamps", "auto-no-tick")
 _PARTS = {"call": auto_density.AutoTick._call, "ready": auto_density.AutoTick.ready,
@@ -55,7 +55,7 @@ def ablate(method: str) -> None:
     elif method == "auto-plain-dense":
         from horovod.tensorflow.mpi_ops import Average, _allreduce
 
-        def plain(self, step, op_name, prescale_factor, postscale_factor):
+        def plain(self, step, *, op_name, prescale_factor, postscale_factor):
             flat = _allreduce(tf.reshape(step.tensor, [-1]), name=f"{step.name}.dense", op=Average,
                               ignore_name_scope=True, process_set=step.process_set)
             return tf.reshape(flat, step.shape)
@@ -72,7 +72,9 @@ def step_ms(method: str, steps: int) -> "tuple[float, object]":
     tf.keras.utils.set_random_seed(0)
     model = digits_cnn()
     opt = tf.keras.optimizers.SGD(0.01)
-    compressor = None if method == "dense" else TopKEF(ratio="auto" if method.startswith("auto") else float(method))
+    buckets = {"bucket_bytes": 0} if method.endswith("-per-tensor") else {}  # every tensor its own switch_case
+    compressor = None if method == "dense" else TopKEF(ratio="auto" if method.startswith("auto") else float(method),
+                                                       **buckets)
 
     @tf.function
     def step():
