@@ -15,9 +15,9 @@ Which members share a bucket (:func:`assign`): the members of one group, in the 
 reverse of Horovod's list, as core.buckets assumes) up to ``bucket_bytes`` of gradient; a group the user gave is one
 bucket whatever its bytes, as in PyTorch. Members whose route and k change from step to step inside the graph (a
 warm-up, ratio="auto") share buckets with members at the same position: the bucket holds one ``tf.switch_case``
-branch per combination of its members' routes (core.policy.bucket_routes), and in a branch the allgather members
-share one allgather of the sizes in force (tensors, looked up per step), the dense ones take Horovod's allreduce
-each and the sparse-allreduce ones travel on their own.
+branch per combination of its members' routes (core.policy.bucket_routes), and in a branch the compressed members
+share their exchange's collectives at the sizes in force (tensors, looked up per step) while the dense ones take
+Horovod's allreduce each.
 
 Overlap: a bucket's concatenation depends only on its members' payloads, so TensorFlow's executor starts the
 bucket's allgather once its last member is packed, while backward computes the gradients of the next buckets.
@@ -25,7 +25,7 @@ bucket's allgather once its last member is packed, while backward computes the g
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -50,30 +50,52 @@ def assign(members: Sequence[Tuple[str, int]], cap_bytes: Optional[int]) -> List
     return assign_buckets(list(reversed(members)), cap_bytes)
 
 
-def gather(payloads: Sequence[tf.Tensor], members: Sequence[str], process_set: object) -> List[tf.Tensor]:
+def gather(payloads: Sequence[tf.Tensor], members: Sequence[str], process_set: object,
+           name: Optional[str] = None) -> List[tf.Tensor]:
     """Every rank's payloads of the bucket of ``members`` (this rank's in ``payloads``, one per member, in the
-    bucket's order), by one allgather: per member, its P payloads back to back, as its own allgather would return
-    them. The payloads' sizes are static (a fixed k) or tensors (a warm-up's or ratio="auto"'s k, looked up per
-    step). A gathered size other than P times this rank's bucket payload (ranks that disagree about the bucket)
-    fails the step on every rank with the bucket's name and members."""
+    bucket's order), by one allgather (named from the members, or ``name``): per member, its P payloads back to
+    back, as its own allgather would return them. The payloads' sizes are static (a fixed k) or tensors (a
+    warm-up's or ratio="auto"'s k, looked up per step). A gathered size other than P times this rank's bucket
+    payload (ranks that disagree about the bucket) fails the step on every rank with the bucket's name and
+    members."""
     from horovod.tensorflow.mpi_ops import allgather
 
     world_size = process_set.size()  # type: ignore[attr-defined]
     flat = [tf.reshape(p, [-1]) for p in payloads]
-    static = [p.shape.num_elements() for p in flat]
-    if all(n is not None for n in static):
-        layout = BucketLayout(tuple(members), tuple(int(n) for n in static))
+    return _columns(lambda joined: allgather(joined, name=name or bucket_collective_name(members),
+                                             ignore_name_scope=True, process_set=process_set),
+                    flat, members, world_size, axis=0, what="the allgather")
+
+
+def alltoall_rows(blocks: Sequence[tf.Tensor], members: Sequence[str], name: str,
+                  process_set: object) -> List[tf.Tensor]:
+    """The sparse allreduce's first phase for a bucket: ``blocks`` (one (P, width_i) uint8 tensor per member, row r
+    for rank r) side by side in one alltoall named ``name``; per member, the P blocks every rank sent this one,
+    back to back (flat), as its own alltoall would return them. Sizes and the check as :func:`gather`."""
+    from horovod.tensorflow.mpi_ops import alltoall
+
+    world_size = process_set.size()  # type: ignore[attr-defined]
+    return _columns(lambda joined: alltoall(joined, name=name, ignore_name_scope=True, process_set=process_set),
+                    list(blocks), members, world_size, axis=1, what="the sparse allreduce's alltoall")
+
+
+def _columns(collective: Callable[[tf.Tensor], tf.Tensor], parts: List[tf.Tensor], members: Sequence[str],
+             world_size: int, *, axis: int, what: str) -> List[tf.Tensor]:
+    """``parts`` joined along ``axis`` (0: flat payloads; 1: (P, width) rows), through ``collective`` (which
+    returns P rows of the joined width), and cut back into each part's P rows (flat)."""
+    widths = [p.shape[axis] for p in parts]
+    if all(w is not None for w in widths):
+        layout = BucketLayout(tuple(members), tuple(int(w) for w in widths))
         sizes, starts, total = list(layout.nbytes), list(layout.offsets), layout.total_nbytes
-        message = layout.disagreement_message(world_size)
+        message = layout.disagreement_message(world_size, f"{what} received another size")
     else:
-        sizes = [tf.size(p) for p in flat]
+        sizes = [tf.shape(p, out_type=tf.int32)[axis] for p in parts]
         starts = tf.unstack(tf.cumsum(tf.stack(sizes), exclusive=True))
         total = tf.add_n(sizes)
-        message = BucketLayout.members_disagreement_message(members, "received another size than this step's "
-                                                            "sizes imply")
-    gathered = allgather(tf.concat(flat, axis=0), name=bucket_collective_name(members), ignore_name_scope=True,
-                         process_set=process_set)
-    check = tf.debugging.Assert(tf.equal(tf.size(gathered), world_size * total), [tf.constant(message)])
+        message = BucketLayout.members_disagreement_message(
+            members, f"{what} received another size than this step's sizes imply")
+    received = collective(tf.concat(parts, axis=axis))
+    check = tf.debugging.Assert(tf.equal(tf.size(received), world_size * total), [tf.constant(message)])
     with tf.control_dependencies([check]):
-        rows = tf.reshape(gathered, [world_size, total])
-    return [tf.reshape(tf.slice(rows, [0, start], [world_size, nbytes]), [-1]) for start, nbytes in zip(starts, sizes)]
+        rows = tf.reshape(received, [world_size, total])
+    return [tf.reshape(tf.slice(rows, [0, start], [world_size, width]), [-1]) for start, width in zip(starts, sizes)]

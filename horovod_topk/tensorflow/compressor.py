@@ -220,36 +220,39 @@ class TopKEF(TopKEFBase[Any]):
                 self._scheduled_bucket([same_positions[name] for name in bucket], outputs, dense)
         sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in waiting.items()]
         for bucket in buckets.assign(sizes_in_order, cap_bytes):
-            for exchange in (ALLGATHER, SPARSE_ALLREDUCE):  # a bucket's members of each exchange travel together
-                held = [waiting[name] for name in bucket if waiting[name][1].exchange == exchange]
-                if len(held) == 1:
-                    position, member = held[0]
-                    outputs[position] = self._topk_reduce(member.step, exchange, member.k)
-                elif held and exchange == ALLGATHER:
-                    self._gather_bucket(held, outputs, process_set)
-                elif held:
-                    self._sparse_bucket(held, outputs, process_set)
+            held = [waiting[name] for name in bucket]
+            reduced = self._exchange_bucket([(m.step, m.exchange, m.k, None) for _, m in held])
+            for (position, _), value in zip(held, reduced):
+                outputs[position] = value
         return outputs
 
-    def _gather_bucket(self, held: Sequence[Tuple[int, "_Bucketable"]], outputs: List[Optional[tf.Tensor]],
-                       process_set: Any) -> None:
-        """The allgather of a bucket's members: each one's send, one collective, each one's receive."""
-        sent = [self._send(member.step, ALLGATHER, member.k) for _, member in held]
-        gathered = buckets.gather([payload.payload for payload in sent], [member.step.name for _, member in held],
-                                  process_set)
-        for (position, member), payload, rows in zip(held, sent, gathered):
-            outputs[position] = self._receive(member.step, payload, rows)
-
-    def _sparse_bucket(self, held: Sequence[Tuple[int, "_Bucketable"]], outputs: List[Optional[tf.Tensor]],
-                       process_set: Any) -> None:
-        """The sparse allreduce of a bucket's members: each one's selection, one alltoall and one allgather
-        (sparse_allreduce.reduce_bucket), each one's state updates."""
-        selected = [self._sparse_select(member.step, member.k) for _, member in held]
-        results = sparse_allreduce.reduce_bucket([s[0] for s in selected], [m.step.name for _, m in held],
-                                                 process_set)
-        for (position, member), (chosen, momentum, finite), (dense, residual) in zip(held, selected, results):
-            outputs[position] = self._sparse_finish(member.step, dense, residual, momentum, finite,
-                                                    chosen.layouts.sent_nbytes)
+    def _exchange_bucket(self, members: Sequence[Tuple["_Step", str, Union[int, Sequence[int]], Optional[tf.Tensor]]]
+                         ) -> List[tf.Tensor]:
+        """The compressed members of a bucket, each (its step, exchange, k, position: None for a fixed k, else its
+        schedule's counts and the position in force): the allgather's members in one allgather, the sparse
+        allreduce's in one alltoall and one allgather; a member alone on its exchange travels as on its own.
+        Returns each member's reduced gradient, in order."""
+        out: List[Optional[tf.Tensor]] = [None] * len(members)
+        for exchange in (ALLGATHER, SPARSE_ALLREDUCE):
+            chosen = [i for i, member in enumerate(members) if member[1] == exchange]
+            if len(chosen) == 1:
+                step, _, k, t = members[chosen[0]]
+                out[chosen[0]] = self._topk_reduce(step, exchange, k, t)
+            elif chosen and exchange == ALLGATHER:
+                sent = [self._send(step, ALLGATHER, k, t) for step, _, k, t in (members[i] for i in chosen)]
+                gathered = buckets.gather([payload.payload for payload in sent],
+                                          [members[i][0].name for i in chosen], members[chosen[0]][0].process_set)
+                for i, payload, rows in zip(chosen, sent, gathered):
+                    out[i] = self._receive(members[i][0], payload, rows)
+            elif chosen:
+                selected = [self._sparse_select(step, k, t) for step, _, k, t in (members[i] for i in chosen)]
+                results = sparse_allreduce.reduce_bucket([s[0] for s in selected], [members[i][0].name for i in chosen],
+                                                         members[chosen[0]][0].process_set)
+                for i, (part, momentum, finite), (dense, residual) in zip(chosen, selected, results):
+                    out[i] = self._sparse_finish(members[i][0], dense, residual, momentum, finite,
+                                                 part.layouts.sent_nbytes)
+        assert all(value is not None for value in out)
+        return out  # type: ignore[return-value]
 
     def _prepare(self, tensor: tf.Tensor, pending: PendingReduction, name: str, op_name: str, prescale_factor: float,
                  postscale_factor: float, process_set: Any) -> Union[None, "_Bucketable", "_Scheduled"]:
@@ -340,28 +343,16 @@ class TopKEF(TopKEFBase[Any]):
 
     def _bucket_at(self, members: Sequence["_Scheduled"], routes: Sequence[str], dense: Any) -> List[tf.Tensor]:
         """The members of a scheduled bucket under one combination of ``routes``: the dense ones each by Horovod's
-        allreduce, the allgather ones in one allgather at their sizes of the position in force, the sparse
-        allreduce ones each on its own (its per-step layouts)."""
-        out: List[Optional[tf.Tensor]] = [None] * len(members)
-        gathered = []
-        for i, (member, route) in enumerate(zip(members, routes)):
-            if route == DENSE:
-                out[i] = dense(member.step)
-            elif route == SPARSE_ALLREDUCE:
-                out[i] = self._topk_reduce(member.step, route, member.schedule.count, member.position)
-            else:
-                gathered.append(i)
-        if len(gathered) == 1:
-            member = members[gathered[0]]
-            out[gathered[0]] = self._topk_reduce(member.step, ALLGATHER, member.schedule.count, member.position)
-        elif gathered:
-            sent = [self._send(members[i].step, ALLGATHER, members[i].schedule.count, members[i].position)
-                    for i in gathered]
-            rows = buckets.gather([p.payload for p in sent], [members[i].step.name for i in gathered],
-                                  members[0].step.process_set)
-            for i, payload, received in zip(gathered, sent, rows):
-                out[i] = self._receive(members[i].step, payload, received)
-        return [tensor for tensor in out if tensor is not None]
+        allreduce, the compressed ones as one bucket (:meth:`_exchange_bucket`) at their sizes of the position in
+        force."""
+        out: List[Optional[tf.Tensor]] = [None if route != DENSE else dense(member.step)
+                                          for member, route in zip(members, routes)]
+        compressed = [i for i, route in enumerate(routes) if route != DENSE]
+        reduced = self._exchange_bucket([(members[i].step, routes[i], members[i].schedule.count, members[i].position)
+                                         for i in compressed]) if compressed else []
+        for i, value in zip(compressed, reduced):
+            out[i] = value
+        return out  # type: ignore[return-value]
 
     def _scheduled_reduce(self, step: "_Step", schedule: RouteSchedule, position: tf.Tensor,
                           dense: Any) -> tf.Tensor:

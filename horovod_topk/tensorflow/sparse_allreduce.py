@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, List, Sequence, Tuple
 
 import tensorflow as tf
 
-from ..core.buckets import BucketLayout
+from ..core.buckets import bucket_collective_name
 from ..core.exchange import HASH_MULTIPLIER
 from ..core.naming import alltoall_name, owners_allgather_name
 from . import ops, shared
@@ -243,33 +243,21 @@ def reduce(
 
 def reduce_bucket(members: Sequence[Member], names: Sequence[str],
                   process_set: Any) -> List[Tuple[tf.Tensor, tf.Tensor]]:
-    """:func:`reduce` of several tensors with a fixed k each (named ``names``, in the bucket's order) by one
-    alltoall and one allgather: row r of the alltoall holds every member's block for rank r, the allgather every
-    member's kept payload, back to back in the bucket's order, so each member's arithmetic is exactly its own
-    (a bucket changes how many collectives run, never what is applied). The collectives are named from the
-    members (core.buckets.bucket_collective_name); a size other than every rank's layout implies (ranks that
-    disagree about the bucket) fails the step on every rank with the bucket's name and members. Returns per
-    member (flat dense sum, residual), as :func:`reduce`."""
-    from horovod.tensorflow.mpi_ops import allgather, alltoall
+    """:func:`reduce` of several tensors (named ``names``, in the bucket's order) by one alltoall and one
+    allgather: row r of the alltoall holds every member's block for rank r, the allgather every member's kept
+    payload, back to back in the bucket's order, so each member's arithmetic is exactly its own (a bucket changes
+    how many collectives run, never what is applied). Sizes fixed or per step (a warm-up's, ratio="auto"'s). The
+    collectives are named from the members (core.buckets.bucket_collective_name); a size other than every rank's
+    layout implies (ranks that disagree about the bucket) fails the step on every rank with the bucket's name and
+    members. Returns per member (flat dense sum, residual), as :func:`reduce`."""
+    from . import buckets
 
     world_size = process_set.size()
+    bucket = bucket_collective_name(names)
     routed = [_route(member, world_size) for member in members]
-    rows = BucketLayout(tuple(names), tuple(int(m.layouts.send.nbytes) for m in members))
-    received = alltoall(tf.concat([r.blocks for r in routed], axis=1), name=alltoall_name(rows.collective_name),
-                        ignore_name_scope=True, process_set=process_set)
-    check = _size_check(received, world_size * rows.total_nbytes,
-                        rows.disagreement_message(world_size, "the sparse allreduce's alltoall received another size"))
-    with tf.control_dependencies([check]):
-        received = tf.reshape(received, [world_size, rows.total_nbytes])
-    owned = [_own(member, r, tf.reshape(received[:, start:start + nbytes], [-1]), world_size)
-             for member, r, start, nbytes in zip(members, routed, rows.offsets, rows.nbytes)]
-    kept = BucketLayout(tuple(names), tuple(int(m.layouts.kept.nbytes) for m in members))
-    gathered = allgather(tf.concat([payload for payload, _ in owned], axis=0),
-                         name=owners_allgather_name(kept.collective_name), ignore_name_scope=True,
-                         process_set=process_set)
-    check = _size_check(gathered, world_size * kept.total_nbytes,
-                        kept.disagreement_message(world_size, "the sparse allreduce's allgather received another size"))
-    with tf.control_dependencies([check]):
-        gathered = tf.reshape(gathered, [world_size, kept.total_nbytes])
-    return [_apply(member, r, residual, tf.reshape(gathered[:, start:start + nbytes], [-1]), world_size)
-            for member, r, (_, residual), start, nbytes in zip(members, routed, owned, kept.offsets, kept.nbytes)]
+    received = buckets.alltoall_rows([r.blocks for r in routed], names, alltoall_name(bucket), process_set)
+    owned = [_own(member, r, blocks, world_size) for member, r, blocks in zip(members, routed, received)]
+    gathered = buckets.gather([payload for payload, _ in owned], names, process_set,
+                              name=owners_allgather_name(bucket))
+    return [_apply(member, r, residual, kept, world_size)
+            for member, r, (_, residual), kept in zip(members, routed, owned, gathered)]

@@ -47,6 +47,7 @@ def _residuals(compressor):
     {"ratio": 0.05, "min_numel": 0, "spike_guard": 2.0},
     {"ratio": 0.05, "min_numel": 0, "warmup_steps": 2},
     {"ratio": 0.05, "min_numel": 0, "exchange": "sparse_allreduce"},
+    {"ratio": 0.05, "min_numel": 0, "exchange": "sparse_allreduce", "warmup_steps": 2},
 ])
 def test_a_bucketed_tape_step_equals_the_per_tensor_step(options, allgathers, alltoalls):
     bucketed = TopKEF(**options, **BUCKETED)
