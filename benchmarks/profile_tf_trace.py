@@ -35,7 +35,8 @@ from typing import Any, Dict
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-METHODS = ("dense", "topk", "topk-per-tensor", "topk-sparse", "topk-sparse-per-tensor", "topk-exact", "topk-warmup")
+METHODS = ("dense", "topk", "topk-per-tensor", "topk-sparse", "topk-sparse-per-tensor", "topk-exact", "topk-warmup",
+           "topk-warmup-per-tensor")
 
 
 def op_count(graph_def: Any) -> int:
@@ -90,7 +91,9 @@ def main() -> None:
                        "topk-sparse": TopKEF(ratio=0.01, exchange="sparse_allreduce", **buckets),
                        "topk-sparse-per-tensor": TopKEF(ratio=0.01, exchange="sparse_allreduce", bucket_bytes=0),
                        "topk-exact": TopKEF(ratio=0.01, selector="exact"),
-                       "topk-warmup": TopKEF(ratio=0.01, warmup_steps=args.warmup_steps)}[method]
+                       "topk-warmup": TopKEF(ratio=0.01, warmup_steps=args.warmup_steps, **buckets),
+                       "topk-warmup-per-tensor": TopKEF(ratio=0.01, warmup_steps=args.warmup_steps,
+                                                        bucket_bytes=0)}[method]
 
         @tf.function
         def step() -> None:
