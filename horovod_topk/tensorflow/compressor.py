@@ -60,12 +60,13 @@ class _Step:
 
 @dataclass(frozen=True)
 class _Bucketable:
-    """A tensor planned for a fixed ``k`` and ``exchange``, up to its selection: it may share a bucket's
-    collectives."""
+    """A compressed tensor up to its selection, with its ``exchange`` and ``k`` (a fixed int; or, with a
+    ``position``, the counts of a schedule and the position in force): it may share a bucket's collectives."""
 
     step: _Step
-    k: int
     exchange: str
+    k: Union[int, Sequence[int]]
+    position: Optional[tf.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -194,10 +195,12 @@ class TopKEF(TopKEFBase[Any]):
         process_set: Any,
     ) -> List[Optional[tf.Tensor]]:
         """:meth:`start_reduction` of each of a group's ``members`` ((gradient, its mark, its name) in Horovod's
-        order), the members planned with a fixed k in buckets of ``cap_bytes`` (None: the group is one bucket; 0:
-        every member on its own): per bucket one allgather of its allgather members and one sparse allreduce (an
-        alltoall and an allgather) of its sparse-allreduce members (horovod_topk.tensorflow.buckets). None where
-        a member goes dense. Under Horovod elastic every member travels on its own (buckets.cap_in_force)."""
+        order), the compressed members in buckets of ``cap_bytes`` (None: the group is one bucket; 0: every member
+        on its own): per bucket one allgather of its allgather members and one sparse allreduce (an alltoall and an
+        allgather) of its sparse-allreduce members; members whose route changes per step (a warm-up, ratio="auto")
+        share buckets with those at the same position, one branch per combination of routes
+        (horovod_topk.tensorflow.buckets). None where a member goes dense. Under Horovod elastic every member
+        travels on its own (buckets.cap_in_force)."""
         if cap_bytes is not None:
             cap_bytes = buckets.cap_in_force(cap_bytes)
         outputs: List[Optional[tf.Tensor]] = []
@@ -221,36 +224,32 @@ class TopKEF(TopKEFBase[Any]):
         sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in waiting.items()]
         for bucket in buckets.assign(sizes_in_order, cap_bytes):
             held = [waiting[name] for name in bucket]
-            reduced = self._exchange_bucket([(m.step, m.exchange, m.k, None) for _, m in held])
+            reduced = self._exchange_bucket([member for _, member in held])
             for (position, _), value in zip(held, reduced):
                 outputs[position] = value
         return outputs
 
-    def _exchange_bucket(self, members: Sequence[Tuple["_Step", str, Union[int, Sequence[int]], Optional[tf.Tensor]]]
-                         ) -> List[tf.Tensor]:
-        """The compressed members of a bucket, each (its step, exchange, k, position: None for a fixed k, else its
-        schedule's counts and the position in force): the allgather's members in one allgather, the sparse
-        allreduce's in one alltoall and one allgather; a member alone on its exchange travels as on its own.
-        Returns each member's reduced gradient, in order."""
+    def _exchange_bucket(self, members: Sequence["_Bucketable"]) -> List[tf.Tensor]:
+        """The compressed members of a bucket: the allgather's in one allgather, the sparse allreduce's in one
+        alltoall and one allgather; a member alone on its exchange travels as on its own. Returns each member's
+        reduced gradient, in order."""
         out: List[Optional[tf.Tensor]] = [None] * len(members)
         for exchange in (ALLGATHER, SPARSE_ALLREDUCE):
-            chosen = [i for i, member in enumerate(members) if member[1] == exchange]
-            if len(chosen) == 1:
-                step, _, k, t = members[chosen[0]]
-                out[chosen[0]] = self._topk_reduce(step, exchange, k, t)
-            elif chosen and exchange == ALLGATHER:
-                sent = [self._send(step, ALLGATHER, k, t) for step, _, k, t in (members[i] for i in chosen)]
-                gathered = buckets.gather([payload.payload for payload in sent],
-                                          [members[i][0].name for i in chosen], members[chosen[0]][0].process_set)
-                for i, payload, rows in zip(chosen, sent, gathered):
-                    out[i] = self._receive(members[i][0], payload, rows)
-            elif chosen:
-                selected = [self._sparse_select(step, k, t) for step, _, k, t in (members[i] for i in chosen)]
-                results = sparse_allreduce.reduce_bucket([s[0] for s in selected], [members[i][0].name for i in chosen],
-                                                         members[chosen[0]][0].process_set)
-                for i, (part, momentum, finite), (dense, residual) in zip(chosen, selected, results):
-                    out[i] = self._sparse_finish(members[i][0], dense, residual, momentum, finite,
-                                                 part.layouts.sent_nbytes)
+            chosen = [i for i, member in enumerate(members) if member.exchange == exchange]
+            held = [members[i] for i in chosen]
+            names = [m.step.name for m in held]
+            if len(held) == 1:
+                out[chosen[0]] = self._topk_reduce(held[0].step, exchange, held[0].k, held[0].position)
+            elif held and exchange == ALLGATHER:
+                sent = [self._send(m.step, ALLGATHER, m.k, m.position) for m in held]
+                gathered = buckets.gather([p.payload for p in sent], names, held[0].step.process_set)
+                for i, m, payload, rows in zip(chosen, held, sent, gathered):
+                    out[i] = self._receive(m.step, payload, rows)
+            elif held:
+                selected = [self._sparse_select(m.step, m.k, m.position) for m in held]
+                results = sparse_allreduce.reduce_bucket([s[0] for s in selected], names, held[0].step.process_set)
+                for i, m, (part, momentum, finite), (dense, residual) in zip(chosen, held, selected, results):
+                    out[i] = self._sparse_finish(m.step, dense, residual, momentum, finite, part.layouts.sent_nbytes)
         assert all(value is not None for value in out)
         return out  # type: ignore[return-value]
 
@@ -311,7 +310,7 @@ class TopKEF(TopKEFBase[Any]):
         assert k is not None and exchange is not None
         record.exchange = exchange  # (traced once: the exchange of the traced step function)
         if not self.config.warmup_steps:
-            return _Bucketable(step, k, exchange)
+            return _Bucketable(step, exchange, k)
         schedule = warmup_schedule(name, numel, True, self.config, world_size=world_size,
                                    value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
                                    sparse_available=True)
@@ -348,8 +347,9 @@ class TopKEF(TopKEFBase[Any]):
         out: List[Optional[tf.Tensor]] = [None if route != DENSE else dense(member.step)
                                           for member, route in zip(members, routes)]
         compressed = [i for i, route in enumerate(routes) if route != DENSE]
-        reduced = self._exchange_bucket([(members[i].step, routes[i], members[i].schedule.count, members[i].position)
-                                         for i in compressed]) if compressed else []
+        reduced = self._exchange_bucket([
+            _Bucketable(members[i].step, routes[i], members[i].schedule.count, members[i].position)
+            for i in compressed]) if compressed else []
         for i, value in zip(compressed, reduced):
             out[i] = value
         return out  # type: ignore[return-value]
