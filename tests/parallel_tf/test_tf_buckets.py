@@ -180,3 +180,28 @@ def test_a_nan_in_one_member_leaves_its_bucket_mates_as_per_tensor():
         np.testing.assert_array_equal(mine[name], others[name], err_msg=name)
         assert np.isfinite(mine[name]).all(), name
     assert bucketed.stats()["nonfinite_steps"] == (1 if hvd.rank() == 1 else 0)
+
+
+@pytest.mark.parametrize("saved_by, loaded_by", [(PER_TENSOR, BUCKETED), (BUCKETED, PER_TENSOR)],
+                         ids=["per-tensor-to-buckets", "buckets-to-per-tensor"])
+def test_a_state_loads_whatever_the_bucket_layout_and_trains_on_bit_for_bit(saved_by, loaded_by):
+    """Residuals and counters are keyed by tensor name, not by bucket: a state saved by a job with one layout
+    continues in a job with the other exactly as in one with the saving job's layout."""
+    import copy
+
+    options = {"ratio": 0.05, "min_numel": 0}
+    saving = TopKEF(**options, **saved_by)
+    train_tape(saving, steps=2)
+    state = saving.state_dict()
+    runs = []
+    for layout in (loaded_by, saved_by):
+        compressor = TopKEF(**options, **layout)
+        compressor.load_state_dict(copy.deepcopy(state))
+        runs.append((train_tape(compressor, steps=2), _residuals(compressor), compressor.stats()["steps"]))
+    (params, residuals, steps), (params0, residuals0, steps0) = runs
+    for name in params:
+        np.testing.assert_array_equal(params[name], params0[name], err_msg=name)
+    assert residuals.keys() == residuals0.keys() and len(residuals) == 4
+    for name in residuals:
+        np.testing.assert_array_equal(residuals[name], residuals0[name], err_msg=name)
+    assert steps == steps0 == 4  # the loaded counters went on
