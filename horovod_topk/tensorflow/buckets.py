@@ -98,4 +98,6 @@ def _columns(collective: Callable[[tf.Tensor], tf.Tensor], parts: List[tf.Tensor
     check = tf.debugging.Assert(tf.equal(tf.size(received), world_size * total), [tf.constant(message)])
     with tf.control_dependencies([check]):
         rows = tf.reshape(received, [world_size, total])
+    if isinstance(total, int):  # static sizes: a strided slice each (fewer graph ops than tf.slice's)
+        return [tf.reshape(rows[:, start:start + width], [-1]) for start, width in zip(starts, sizes)]
     return [tf.reshape(tf.slice(rows, [0, start], [world_size, width]), [-1]) for start, width in zip(starts, sizes)]
