@@ -115,10 +115,12 @@ def bucket_routes(schedules: Sequence[RouteSchedule]) -> Tuple[Tuple[Tuple[str, 
 
     ``schedules``: one RouteSchedule per member, all over the same positions (one sparsity warm-up, or
     ratio="auto"'s densities). Returns (the distinct combinations, each a route per member, in the order the
-    positions first take them; the combination each position takes). A bucket whose members all go dense early
-    and compressed later has two, whatever its number of members: a branch executes a combination as one bucket
-    (the members that go dense alone, the others sharing their exchange's collectives), and the sizes within it
-    are each member's own at the position in force, as on its own."""
+    positions first take them; the combination each position takes). Members that change route at the same
+    positions give as few combinations as one of them (a warm-up that goes dense, then allgather: two, whatever the
+    number of members); members that change at different positions give more, each a branch that holds every
+    member's path, so a caller keeps such members in separate buckets. A branch executes a combination as one
+    bucket (the members that go dense alone, the others sharing their exchange's collectives), and the sizes
+    within it are each member's own at the position in force, as on its own."""
     lengths = {len(schedule.phase) for schedule in schedules}
     if len(lengths) != 1:
         raise ValueError(f"horovod-topk: a bucket's route schedules must cover the same positions, got lengths "

@@ -78,7 +78,15 @@ class _Scheduled:
     step: _Step
     schedule: RouteSchedule
     position: tf.Tensor  # this step's position in the schedule (int32 scalar)
-    key: tuple  # ("auto",): the tick's density; ("warmup", t): the warm-up step at trace time, capped at its last
+    #: Members with equal keys share buckets: ("auto", pattern): the tick's density; ("warmup", t, pattern): the
+    #: warm-up step at trace time, capped at its last. ``pattern`` (:func:`_route_pattern`) keeps a bucket's branches
+    #: as few as one member's: members that change route at other positions go to other buckets.
+    key: tuple
+
+
+def _route_pattern(schedule: RouteSchedule) -> Tuple[str, ...]:
+    """The route ``schedule`` takes at each position."""
+    return tuple(schedule.routes[phase] for phase in schedule.phase)
 
 
 @dataclass(frozen=True)
@@ -306,7 +314,8 @@ class TopKEF(TopKEFBase[Any]):
         if schedule is not None:
             assert self._auto_tick is not None
             self._auto_tick.follow(name, schedule)
-            return _Scheduled(step, schedule, self._auto_tick.choice(name, process_set), ("auto",))
+            return _Scheduled(step, schedule, self._auto_tick.choice(name, process_set),
+                              ("auto", _route_pattern(schedule)))
         assert k is not None and exchange is not None
         record.exchange = exchange  # (traced once: the exchange of the traced step function)
         if not self.config.warmup_steps:
@@ -318,7 +327,7 @@ class TopKEF(TopKEFBase[Any]):
         last = len(schedule.phase) - 1
         with tf.init_scope():  # members at the same warm-up step stay together: every step reduces all of them
             at_trace = min(int(counters.numpy()[0]), last)
-        return _Scheduled(step, schedule, tf.minimum(counters[0], last), ("warmup", at_trace))
+        return _Scheduled(step, schedule, tf.minimum(counters[0], last), ("warmup", at_trace, _route_pattern(schedule)))
 
     def _scheduled_bucket(self, held: Sequence[Tuple[int, "_Scheduled"]], outputs: List[Optional[tf.Tensor]],
                           dense: Any) -> None:
@@ -333,22 +342,24 @@ class TopKEF(TopKEFBase[Any]):
             reduced = [self._scheduled_reduce(members[0].step, members[0].schedule, members[0].position, dense)]
         else:
             combinations, which = bucket_routes([m.schedule for m in members])
-            branches = [functools.partial(self._bucket_at, members, combination, dense)
+            branches = [functools.partial(self._bucket_at, members, combination, members[0].position, dense)
                         for combination in combinations]
             reduced = branches[0]() if len(branches) == 1 else tf.switch_case(
                 tf.gather(tf.constant(which, tf.int32), members[0].position), branches)
         for i, ((position, member), value) in enumerate(zip(held, reduced)):
             outputs[position] = tick.done(member.step.name, value, stamps[i]) if tick is not None else value
 
-    def _bucket_at(self, members: Sequence["_Scheduled"], routes: Sequence[str], dense: Any) -> List[tf.Tensor]:
+    def _bucket_at(self, members: Sequence["_Scheduled"], routes: Sequence[str], position: tf.Tensor,
+                   dense: Any) -> List[tf.Tensor]:
         """The members of a scheduled bucket under one combination of ``routes``: the dense ones each by Horovod's
-        allreduce, the compressed ones as one bucket (:meth:`_exchange_bucket`) at their sizes of the position in
-        force."""
+        allreduce, the compressed ones as one bucket (:meth:`_exchange_bucket`) at their sizes of the bucket's
+        ``position``. One position for every member: the route and the sizes always agree, even if a member's own
+        warm-up counter drifted from its bucket-mates' after the trace (a state loaded into a traced step)."""
         out: List[Optional[tf.Tensor]] = [None if route != DENSE else dense(member.step)
                                           for member, route in zip(members, routes)]
         compressed = [i for i, route in enumerate(routes) if route != DENSE]
         reduced = self._exchange_bucket([
-            _Bucketable(members[i].step, routes[i], members[i].schedule.count, members[i].position)
+            _Bucketable(members[i].step, routes[i], members[i].schedule.count, position)
             for i in compressed]) if compressed else []
         for i, value in zip(compressed, reduced):
             out[i] = value
@@ -411,6 +422,8 @@ class TopKEF(TopKEFBase[Any]):
             momentum=self.config.momentum)
         if started is not None:
             payload = self._telemetry.timed(step.name, started, payload)
+        if t is None:  # a fixed k: the payload's size is known here (the shared body is traced for any size)
+            payload.set_shape([plan.layouts[0].nbytes])
         return _Sent(payload, finite, plan, row)
 
     def _size_plan(self, step: "_Step", exchange: str, k: Union[int, Sequence[int]],

@@ -33,7 +33,7 @@ import tensorflow as tf
 from ..core.buckets import bucket_collective_name
 from ..core.exchange import HASH_MULTIPLIER
 from ..core.naming import alltoall_name, owners_allgather_name
-from . import ops, shared
+from . import buckets, ops, shared
 
 if TYPE_CHECKING:
     from .sizes import Layout, SparseLayouts
@@ -250,8 +250,6 @@ def reduce_bucket(members: Sequence[Member], names: Sequence[str],
     collectives are named from the members (core.buckets.bucket_collective_name); a size other than every rank's
     layout implies (ranks that disagree about the bucket) fails the step on every rank with the bucket's name and
     members. Returns per member (flat dense sum, residual), as :func:`reduce`."""
-    from . import buckets
-
     world_size = process_set.size()
     bucket = bucket_collective_name(names)
     routed = [_route(member, world_size) for member in members]
