@@ -120,7 +120,7 @@ def bucket_routes(schedules: Sequence[RouteSchedule]) -> Tuple[Tuple[Tuple[str, 
     number of members); members that change at different positions give more, each a branch that holds every
     member's path, so a caller keeps such members in separate buckets. A branch executes a combination as one
     bucket (the members that go dense alone, the others sharing their exchange's collectives), and the sizes
-    within it are each member's own at the position in force, as on its own."""
+    within it are each member's own at the bucket's position, as on its own at that position."""
     lengths = {len(schedule.phase) for schedule in schedules}
     if len(lengths) != 1:
         raise ValueError(f"horovod-topk: a bucket's route schedules must cover the same positions, got lengths "
