@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from ..core.buckets import BucketLayout, assign_buckets, bucket_collective_name
 
-__all__ = ["assign", "gather", "cap_in_force"]
+__all__ = ["alltoall_rows", "assign", "gather", "cap_in_force"]
 
 
 def cap_in_force(bucket_bytes: int) -> int:
