@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
 #: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
-EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto", "update0.01"]
+EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto", "update0.01",
+                 "update-calibrated0.01"]
 MODELS = ["mlp", "digits", "charlm", "gptlm"]
 
 
@@ -83,7 +84,9 @@ def compression_for(method: str):
     if method == "auto":  # ratio="auto" with its defaults (budget 0.1)
         return TopKEF(ratio="auto", target="gradient")
     if method.startswith("update"):  # update mode: each rank's own optimizer steps, its update travels
-        return TopKEF(ratio=float(method[len("update"):]), target="update", second_moment="local")
+        calibrated = method.startswith("update-calibrated")  # the default for Adam (its noise-share sketch added)
+        ratio = float(method[len("update-calibrated" if calibrated else "update"):])
+        return TopKEF(ratio=ratio, target="update", second_moment="calibrated" if calibrated else "local")
     ratio, _, exchange = method[len("topk"):].partition("-")
     return TopKEF(ratio=float(ratio), exchange=exchange or "auto", target="gradient")  # gradient mode, named
 

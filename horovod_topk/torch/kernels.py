@@ -1,4 +1,5 @@
-"""Loads the fused CPU kernels (csrc/topk_kernels.cpp), compiling them once per machine.
+"""Loads the fused CPU kernels (csrc/: compress and decompress in topk_kernels.cpp, the sparse allreduce's
+arithmetic in sparse_rounds.cpp), compiling them once per machine into one module.
 
 Compiled with torch's own C++ extension builder into its cache (~/.cache/torch_extensions), so the kernel always
 matches the installed torch; scripts/setup.sh builds it at install time so that training never waits for the
@@ -20,7 +21,8 @@ __all__ = ["load", "remove_stale_lock"]
 #: here): torch's builder would wait on it forever, so every later training job would hang in its first step.
 STALE_LOCK_SECONDS = 15 * 60
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "topk_kernels.cpp")
+_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
+            for name in ("topk_kernels.cpp", "sparse_rounds.cpp")]
 _module: Optional[ModuleType] = None
 _failed = False
 
@@ -56,7 +58,7 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
         from torch.utils.cpp_extension import _get_build_directory, load as build
 
         remove_stale_lock(_get_build_directory("horovod_topk_kernels", verbose=False))
-        _module = build(name="horovod_topk_kernels", sources=[_SOURCE], extra_cflags=["-O3"], verbose=verbose)
+        _module = build(name="horovod_topk_kernels", sources=_SOURCES, extra_cflags=["-O3"], verbose=verbose)
     except Exception as exc:  # no compiler, no ninja, read-only cache...: fall back, loudly
         _failed = True
         warnings.warn(f"horovod-topk: could not build the fused kernels ({exc}); using the slower pure-torch "

@@ -10,6 +10,10 @@ bucket, plus a few per member where a member's own tensors (its residual, its ou
 (where each member's fields lie in the collectives' rows) depends only on the members' sizes, so it is computed once
 per bucket layout and cached.
 
+On the CPU, float32 members run the fused kernels instead (csrc/sparse_rounds.cpp, :class:`_FusedGroup`): one walk
+over the entries per phase, the same bytes and results bit for bit (tests/pytorch/test_sparse_rounds.py), ~3x one
+elementwise pass over the model per step where these torch operations cost ~8x (benchmarks/bench_sparse_rounds.py).
+
 Each member keeps its own k, per-destination capacity and kept count, so a member's result does not depend on its
 bucket-mates: a bucket of one is the per-tensor sparse allreduce. Within an owner's region the largest sums win,
 non-finite sums first, ties to the lower index (a stable sort). On an accelerator nothing is filtered by a mask
@@ -24,14 +28,16 @@ own sent entries that no owner kept; non-finite values never enter a residual.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..core import PayloadSizeMismatch
 from ..core.exchange import HASH_MULTIPLIER, SparseAllreduceLayouts
-from . import ops
+from ..core.payload import PayloadLayout
+from . import kernels, ops, selection
 from .exchange import ExchangeRequest
 
 __all__ = ["SparseRounds", "regions"]
@@ -40,6 +46,12 @@ __all__ = ["SparseRounds", "regions"]
 def regions(indices: torch.Tensor, world_size: int) -> torch.Tensor:
     """core.exchange.region_of on a tensor of indices (int64 result)."""
     return (((indices.long() * HASH_MULTIPLIER) & 0xFFFFFFFF) * world_size) >> 32
+
+
+def _take(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]`` for a 1-D source and int64 index: index_select, several times faster on the CPU than
+    advanced indexing (which goes through the general N-d indexing iterator)."""
+    return source.index_select(0, index)
 
 
 def _offsets(sizes: Sequence[int]) -> List[int]:
@@ -131,6 +143,37 @@ class _Geometry:
         self.gathered_member = torch.repeat_interleave(torch.arange(len(members), device=device),
                                                        as_tensor(self.gathered_sizes))
         self.gathered_base = self.base[self.gathered_member]
+        self.device = device
+        self.itemsize = itemsize
+        self._spare_marks: List[torch.Tensor] = []
+
+    def marks(self) -> torch.Tensor:
+        """An all-False flag per entry of the index space, plus the sentinel's: for marking which entries some owner
+        kept. Give it back with :meth:`release_marks` after clearing what was set. Why kept between steps on the CPU:
+        a fresh (total + 1)-byte buffer is page-faulted in every step, ~10 ms per 25M entries, four times clearing
+        only what was set; on an accelerator the caching allocator reuses the memory already. A pool, not one
+        buffer: two flights of the same geometry may be in phase 3 at once (DDP's callbacks)."""
+        if self._spare_marks:
+            try:
+                return self._spare_marks.pop()
+            except IndexError:  # another thread took the last one
+                pass
+        return torch.zeros(self.total + 1, dtype=torch.bool, device=self.device)
+
+    def release_marks(self, marks: torch.Tensor, set_at: Optional[torch.Tensor] = None) -> None:
+        """Clear ``marks`` where :meth:`marks`' user set them (``set_at``; None: it cleared them itself) and keep
+        it for the next step (CPU only)."""
+        if self.device.type == "cpu":
+            self._spare_marks.append(marks if set_at is None else marks.index_fill_(0, set_at, False))
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        """The member table of the fused kernels (csrc/sparse_rounds.cpp, enum Field): per member k, numel,
+        capacity, kept, its block's byte offset in an alltoall row and its values' offset in the block, the same
+        two in an allgather row, its payload's values offset, its first index in the bucket's index space."""
+        return torch.tensor([[m.k, m.numel, m.capacity, m.kept, m.send_at, m.send_values, m.kept_at, m.kept_values,
+                              PayloadLayout(m.k, self.itemsize).values_offset, base]
+                             for m, base in zip(self.members, self.base_list)], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=256)
@@ -181,8 +224,8 @@ def _rank_within_members(member: torch.Tensor, priority: torch.Tensor, real: tor
         order = torch.argsort(0x7FFFFFFF - priority.view(torch.int32), stable=True)  # bits ascend with priority >= 0
     else:
         order = torch.argsort(priority, descending=True, stable=True)
-    member = torch.where(real, member, torch.full_like(member, members))[order]
-    return order[torch.argsort(member.to(_small_int(members + 1)), stable=True)]
+    member = _take(torch.where(real, member, torch.full_like(member, members)), order)
+    return _take(order, torch.argsort(member.to(_small_int(members + 1)), stable=True))
 
 
 def _small_int(bound: int) -> torch.dtype:
@@ -228,11 +271,11 @@ class _Group:
         values = torch.cat([v.reshape(-1) for _, v in unpacked])
         key = geo.entry_member * P + regions(indices, P)  # member-major, then owner
         order = torch.argsort(key.to(_small_int(len(geo.members) * P)), stable=True)  # keeps selection order
-        key_sorted = key[order]
+        key_sorted = _take(key, order)
         counts = torch.bincount(key, minlength=len(geo.members) * P)
-        slot = torch.arange(order.numel(), device=order.device) - (torch.cumsum(counts, 0) - counts)[key_sorted]
+        slot = torch.arange(order.numel(), device=order.device) - _take(torch.cumsum(counts, 0) - counts, key_sorted)
         member, owner = geo.entry_member, key_sorted - geo.entry_member * P  # sorted member-major: member is static
-        self.sent_indices, self.sent_values = indices[order], values[order]
+        self.sent_indices, self.sent_values = _take(indices, order), _take(values, order)
         self.fits = slot < geo.entry_capacity
         self.sent_keys = self.sent_indices + geo.entry_base
         width = (buf.numel() - 8) // P  # bytes per row of the alltoall
@@ -252,10 +295,10 @@ class _Group:
         allgather row, flat, 8 scratch bytes last): per member the ceil(k / P) largest sums of its region,
         non-finite first; the rounding of each kept sum to the wire dtype stays in this rank's residual."""
         geo = self.geometry
-        indices = received.view(torch.int32)[geo.recv_index].long()
+        indices = _take(received.view(torch.int32), geo.recv_index).long()
         used = indices >= 0
         keys = torch.where(used, indices + geo.recv_base, torch.full_like(indices, geo.total))
-        values = torch.where(used, received.view(self.wire_dtype)[geo.recv_value].to(self.acc_dtype),
+        values = torch.where(used, _take(received.view(self.wire_dtype), geo.recv_value).to(self.acc_dtype),
                              torch.zeros((), dtype=self.acc_dtype, device=indices.device))
         unique, inverse = torch.unique(keys.to(_small_int(geo.total)), return_inverse=True)  # member by member
         unique = unique.long()
@@ -267,12 +310,12 @@ class _Group:
         # the k-th kept sum of member j is the k-th of its run in ``ranked``: static positions, fixed sizes
         counts = torch.bincount(torch.where(real, member, len(geo.members)), minlength=len(geo.members) + 1)
         counts = counts[: len(geo.members)]
-        valid = geo.own_rank < counts[geo.own_member]
-        at = torch.where(valid, (torch.cumsum(counts, 0) - counts)[geo.own_member] + geo.own_rank,
+        valid = geo.own_rank < _take(counts, geo.own_member)
+        at = torch.where(valid, _take(torch.cumsum(counts, 0) - counts, geo.own_member) + geo.own_rank,
                          torch.zeros_like(geo.own_rank))
-        chosen = ranked[at]
-        kept_local = torch.where(valid, unique[chosen] - geo.own_base, torch.full_like(at, -1))
-        kept_sums = torch.where(valid, sums[chosen], torch.zeros((), dtype=self.acc_dtype, device=at.device))
+        chosen = _take(ranked, at)
+        kept_local = torch.where(valid, _take(unique, chosen) - geo.own_base, torch.full_like(at, -1))
+        kept_sums = torch.where(valid, _take(sums, chosen), torch.zeros((), dtype=self.acc_dtype, device=at.device))
         view_index, view_value = out.view(torch.int32), out.view(self.wire_dtype)
         view_index[geo.own_index] = kept_local.to(torch.int32)
         view_value[geo.own_value] = kept_sums.to(self.wire_dtype)
@@ -288,12 +331,13 @@ class _Group:
         entries that no owner kept go back to their residual (once)."""
         if self._gathered is None:
             geo = self.geometry
-            indices = gathered.view(torch.int32)[geo.gathered_index].long()
+            indices = _take(gathered.view(torch.int32), geo.gathered_index).long()
             used = indices >= 0
-            values = gathered.view(self.wire_dtype)[geo.gathered_value]
-            applied = torch.zeros(geo.total + 1, dtype=torch.bool, device=indices.device)
-            applied[torch.where(used, indices + geo.gathered_base, torch.full_like(indices, geo.total))] = True
-            dropped = self.fits & ~applied[self.sent_keys]
+            values = _take(gathered.view(self.wire_dtype), geo.gathered_value)
+            keys = torch.where(used, indices + geo.gathered_base, torch.full_like(indices, geo.total))
+            applied = geo.marks().index_fill_(0, keys, True)
+            dropped = self.fits & ~_take(applied, self.sent_keys)
+            geo.release_marks(applied, keys)
             for j, request in enumerate(self.requests):
                 s, e = geo.entry_starts[j], geo.entry_starts[j + 1]
                 _add_to_residual(request.residual, self.sent_indices[s:e], self.sent_values[s:e], dropped[s:e])
@@ -314,6 +358,58 @@ class _Group:
         else:  # half precision: sum in float32, then round once
             out.copy_(ops.scatter_sum(indices[s:e], sums, out.numel(), self.acc_dtype))
         return out.view(request.shape)
+
+
+class _FusedGroup(_Group):
+    """float32 members on the CPU, run by the fused kernels (csrc/sparse_rounds.cpp): the results of
+    :class:`_Group`'s torch operations, bit for bit, in one walk over the entries per phase instead of ~20 passes
+    (python benchmarks/bench_sparse_rounds.py measures both)."""
+
+    def __init__(self, rounds: "SparseRounds", positions: Sequence[int], module: Any) -> None:
+        super().__init__(rounds, positions)
+        self._module = module
+        self._send_width = rounds.send_offsets[-1]
+        self._kept_width = rounds.kept_offsets[-1]
+        self._residuals = [r.residual.view(-1) for r in self.requests]
+        self._sent_rows: Optional[torch.Tensor] = None
+        self._returned = False
+
+    @staticmethod
+    def applies_to(requests: Sequence[ExchangeRequest]) -> bool:
+        """Whether the kernels cover these members: CPU, float32 on the wire, in the residual and in the output,
+        unless ``HOROVOD_TOPK_SELECTION`` forces a non-fused backend (how the device path is tested on the CPU)."""
+        forced = os.environ.get(selection.ENV, "").strip().lower()
+        return (forced in ("", "fused") and all(
+            r.out.device.type == "cpu" and r.wire_dtype == torch.float32 and r.residual.dtype == torch.float32
+            and r.out.dtype == torch.float32 and r.out.is_contiguous() and r.residual.is_contiguous()
+            for r in requests))
+
+    def fill_send(self, buf: torch.Tensor) -> None:
+        self._module.sparse_fill_send([r.payload for r in self.requests], self._residuals, self.geometry.table, buf,
+                                      self.world_size, self._send_width, HASH_MULTIPLIER)
+        self._sent_rows = buf
+
+    def fill_owned(self, received: torch.Tensor, out: torch.Tensor) -> None:
+        self._module.sparse_fill_owned(received, self._send_width, self.geometry.table, out, self.world_size)
+
+    def apply(self, j: int, gathered: torch.Tensor) -> torch.Tensor:
+        geo, request = self.geometry, self.requests[j]
+        if not self._returned:  # this rank's sent entries no owner kept go back to their residuals, once
+            marks = geo.marks()
+            self._module.sparse_return_dropped(gathered, self._kept_width, self._sent_rows, self._send_width,
+                                               self._residuals, geo.table, marks, self.world_size)
+            geo.release_marks(marks)
+            self._returned = True
+        self._module.sparse_apply_member(gathered, self._kept_width, geo.table, j, request.out.view(-1),
+                                         float(request.scale), self.world_size)
+        return request.out.view(request.shape)
+
+
+def _group(rounds: "SparseRounds", positions: Sequence[int]) -> _Group:
+    """The fused group where the kernels cover the members and could be built, the torch one otherwise."""
+    requests = [rounds.requests[i] for i in positions]
+    module = kernels.load() if _FusedGroup.applies_to(requests) else None
+    return _Group(rounds, positions) if module is None else _FusedGroup(rounds, positions, module)
 
 
 class SparseRounds:
@@ -340,7 +436,7 @@ class SparseRounds:
         kinds: Dict[tuple, List[int]] = {}
         for i, r in enumerate(self.requests):
             kinds.setdefault((r.wire_dtype, r.residual.dtype, r.out.device), []).append(i)
-        self._groups = [_Group(self, positions) for positions in kinds.values()]
+        self._groups = [_group(self, positions) for positions in kinds.values()]
         #: member -> (its group, its place in the group)
         self._member: Dict[int, Tuple[_Group, int]] = {
             i: (group, j) for group in self._groups for j, i in enumerate(group.positions)}

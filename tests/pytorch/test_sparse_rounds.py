@@ -172,3 +172,63 @@ def test_half_precision_wire_keeps_the_rounding_on_the_owner():
         for i in range(2):
             _nan_equal(outputs[r][i], expected_out[i], rtol=1e-3, atol=1e-3)
             _nan_equal(ranks[r][i].residual, expected_res[r][i], rtol=1e-5, atol=1e-5)
+
+
+def _rounds_bytes(ranks: List[List[ExchangeRequest]]):
+    """Every rank's alltoall rows, allgather row, outputs and residuals after the three phases."""
+    P = len(ranks)
+    rounds = [SparseRounds(reqs) for reqs in ranks]
+    sends = [rounds[r].send.clone() for r in range(P)]
+    owned = [rounds[r].owned(torch.cat([rounds[s].send[r] for s in range(P)])) for r in range(P)]
+    gathered = torch.cat(owned)
+    outputs = [[rounds[r].apply(i, rounds[r].gathered_rows(gathered.clone())).clone() for i in range(len(ranks[r]))]
+               for r in range(P)]
+    return sends, owned, outputs, [[q.residual.clone() for q in reqs] for reqs in ranks]
+
+
+def _fused_kernels_or_skip():
+    from horovod_topk.torch import kernels
+
+    if kernels.load() is None:
+        pytest.skip("the fused kernels could not be built here")
+
+
+@pytest.mark.parametrize("world_size,sizes,ratio,poison", [
+    (2, [4000], 0.01, False), (4, [5000, 300, 70000, 17, 1], 0.02, True), (3, [64, 2000], 1.0, True),
+    (8, [900, 900, 900], 0.1, False)])
+def test_fused_kernels_match_the_torch_operations_bit_for_bit(monkeypatch, world_size, sizes, ratio, poison):
+    """The CPU kernels (csrc/sparse_rounds.cpp) against the torch operations (the device path, forced on the CPU by
+    HOROVOD_TOPK_SELECTION=reference): the same bytes on the wire, outputs and residuals; with entries over an
+    owner's capacity (ratio 1.0) and a NaN (poison)."""
+    _fused_kernels_or_skip()
+    from horovod_topk.torch import sparse_rounds
+
+    fused_ranks = _ranks(world_size, sizes, ratio, torch.float32, torch.float32, 7, poison)
+    torch_ranks = _ranks(world_size, sizes, ratio, torch.float32, torch.float32, 7, poison)
+    assert all(isinstance(g, sparse_rounds._FusedGroup) for g in SparseRounds(fused_ranks[0])._groups)
+    fused = _rounds_bytes(fused_ranks)
+    monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "reference")
+    assert not any(isinstance(g, sparse_rounds._FusedGroup) for g in SparseRounds(torch_ranks[0])._groups)
+    reference = _rounds_bytes(torch_ranks)
+    for got, want in zip(fused[:2], reference[:2]):  # wire bytes
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    for got, want in zip(fused[2:], reference[2:]):  # outputs, residuals
+        for a_rank, b_rank in zip(got, want):
+            for a, b in zip(a_rank, b_rank):
+                assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    if poison:
+        assert any(torch.isnan(out).any() for out in fused[2][0])
+        assert all(torch.isfinite(res).all() for rank in fused[3] for res in rank)
+
+
+def test_fused_kernels_refuse_an_index_out_of_range_before_writing():
+    """An alltoall row from a rank with another configuration (an index past the tensor) raises an error that names
+    the index and the tensor's size, instead of writing out of bounds."""
+    _fused_kernels_or_skip()
+    ranks = _ranks(2, [1000], 0.05, torch.float32, torch.float32, 2)
+    rounds = [SparseRounds(reqs) for reqs in ranks]
+    received = torch.cat([rounds[0].send[0], rounds[1].send[0]]).clone()
+    received[:4].view(torch.int32)[0] = 5000
+    with pytest.raises(RuntimeError, match="index 5000 for a tensor of 1000 elements"):
+        rounds[0].owned(received)

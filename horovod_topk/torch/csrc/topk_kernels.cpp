@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #endif
 
+#include "zero_bytes.h"
+
 namespace {
 
 // Candidate list: indices and values, written by position into buffers grown ahead of need (no per-element
@@ -398,32 +400,6 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   return {first_count, count, scans};
 }
 
-// Zero ``bytes`` bytes at ``p``. Above L2's size the buffer is bound for memory anyway: streaming stores write it
-// without first reading every line into the cache (a plain memset below glibc's own non-temporal threshold, which is
-// above the size of most layers, reads each line before writing it).
-void zero_bytes(void* p, size_t bytes) {
-#if defined(__x86_64__)
-  constexpr size_t STREAM_FROM = size_t(1) << 20;
-  if (bytes >= STREAM_FROM) {
-    char* c = static_cast<char*>(p);
-    const size_t head = (16 - (reinterpret_cast<uintptr_t>(c) & 15)) & 15;
-    std::memset(c, 0, head);
-    const __m128i zero = _mm_setzero_si128();
-    size_t i = head;
-    for (; i + 64 <= bytes; i += 64) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i), zero);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 16), zero);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 32), zero);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 48), zero);
-    }
-    std::memset(c + i, 0, bytes - i);
-    _mm_sfence();  // the scatter below reads these lines: the streamed zeros must be visible first
-    return;
-  }
-#endif
-  std::memset(p, 0, bytes);
-}
-
 template <typename O, typename W>
 void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t values_offset, int64_t nbytes,
                      double scale, torch::Tensor out) {
@@ -509,7 +485,11 @@ void decompress(torch::Tensor gathered, int64_t world, int64_t k, int64_t values
 
 }  // namespace
 
+// The sparse allreduce's kernels (sparse_rounds.cpp).
+void define_sparse_rounds(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
   m.def("decompress", &decompress, "zero the gradient buffer and add the P payloads, scaled, into it");
+  define_sparse_rounds(m);
 }
