@@ -62,5 +62,6 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
     except Exception as exc:  # no compiler, no ninja, read-only cache...: fall back, loudly
         _failed = True
         warnings.warn(f"horovod-topk: could not build the fused kernels ({exc}); using the slower pure-torch "
-                      f"sampled selector", stacklevel=2)
+                      f"paths instead (the sampled selector, the sparse allreduce's arithmetic): same results",
+                      stacklevel=2)
     return _module

@@ -380,7 +380,8 @@ class _FusedGroup(_Group):
         unless ``HOROVOD_TOPK_SELECTION`` forces a non-fused backend (how the device path is tested on the CPU)."""
         forced = os.environ.get(selection.ENV, "").strip().lower()
         return (forced in ("", "fused") and all(
-            r.out.device.type == "cpu" and r.wire_dtype == torch.float32 and r.residual.dtype == torch.float32
+            r.out.device.type == "cpu" and not r.layout.compact and r.wire_dtype == torch.float32
+            and r.residual.dtype == torch.float32
             and r.out.dtype == torch.float32 and r.out.is_contiguous() and r.residual.is_contiguous()
             for r in requests))
 

@@ -232,3 +232,18 @@ def test_fused_kernels_refuse_an_index_out_of_range_before_writing():
     received[:4].view(torch.int32)[0] = 5000
     with pytest.raises(RuntimeError, match="index 5000 for a tensor of 1000 elements"):
         rounds[0].owned(received)
+
+
+def test_fused_kernels_refuse_a_member_table_that_does_not_fit_the_rows():
+    """The kernels are module functions: a member table whose fields lie past the rows it is given raises instead of
+    writing past them."""
+    _fused_kernels_or_skip()
+    from horovod_topk.torch import kernels
+
+    ranks = _ranks(2, [1000, 300], 0.05, torch.float32, torch.float32, 4)
+    rounds = SparseRounds(ranks[0])
+    group = rounds._groups[0]
+    gathered = torch.zeros(2 * rounds.kept_offsets[-1], dtype=torch.uint8)
+    narrow = rounds.kept_offsets[-1] - 8  # one field short of the real row
+    with pytest.raises(RuntimeError, match="do not fit the sparse allreduce's rows"):
+        kernels.load().sparse_apply_member(gathered, narrow, group.geometry.table, 1, ranks[0][1].out, 0.5, 2)

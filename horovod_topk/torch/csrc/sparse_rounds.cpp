@@ -78,6 +78,21 @@ void check_slots(const uint8_t* base, int64_t rows, int64_t width, int64_t at, i
   }
 }
 
+// A member's fields lie inside a row of the alltoall (``send_width`` bytes) and of the allgather (``kept_width``;
+// a negative width: that row is not used by the caller), 4-byte aligned: the kernels are callable from Python, so a
+// wrong table must raise, not write past a row.
+void check_fields(const Member& m, int64_t send_width, int64_t kept_width) {
+  const bool sizes = m[K] >= 0 && m[NUMEL] >= 0 && m[NUMEL] < (int64_t(1) << 31) && m[CAPACITY] >= 0 &&
+                     m[KEPT] >= 0 && m[BASE] >= 0 && m[PAYLOAD_VALUES] >= 4 * m[K];
+  const bool send = send_width < 0 || (m[SEND_AT] >= 0 && m[SEND_VALUES] >= 4 * m[CAPACITY] &&
+                                       m[SEND_AT] + m[SEND_VALUES] + 4 * m[CAPACITY] <= send_width);
+  const bool kept = kept_width < 0 || (m[KEPT_AT] >= 0 && m[KEPT_VALUES] >= 4 * m[KEPT] &&
+                                       m[KEPT_AT] + m[KEPT_VALUES] + 4 * m[KEPT] <= kept_width);
+  const bool aligned = (m[SEND_AT] | m[SEND_VALUES] | m[KEPT_AT] | m[KEPT_VALUES] | m[PAYLOAD_VALUES]) % 4 == 0;
+  TORCH_CHECK(sizes && send && kept && aligned, "horovod-topk: a member's fields do not fit the sparse allreduce's "
+              "rows (send width ", send_width, ", kept width ", kept_width, ")");
+}
+
 inline bool finite(float v) { return std::isfinite(v); }
 
 // The table slot of an index (a power-of-two table, ``mask`` = size - 1): MurmurHash3's finaliser. Not a
@@ -105,6 +120,7 @@ void fill_send(const std::vector<torch::Tensor>& payloads, const std::vector<tor
   check_bytes(rows, world * width, "the alltoall's rows");
   for (size_t j = 0; j < members.size(); ++j) {
     const Member& m = members[j];
+    check_fields(m, width, -1);
     check_bytes(payloads[j], m[PAYLOAD_VALUES] + 4 * m[K], "a payload");
     check_floats(residuals[j], m[NUMEL], "a residual");
     check_slots(payloads[j].data_ptr<uint8_t>(), 1, 0, 0, m[K], m[NUMEL], "payload");
@@ -138,8 +154,9 @@ void fill_owned(const torch::Tensor& received, int64_t send_width, const torch::
   const std::vector<Member> members = members_of(table);
   check_bytes(received, world * send_width, "the alltoall's received rows");
   for (const Member& m : members) {
-    check_slots(received.data_ptr<uint8_t>(), world, send_width, m[SEND_AT], m[CAPACITY], m[NUMEL], "alltoall");
+    check_fields(m, send_width, kept_row.numel());
     check_bytes(kept_row, m[KEPT_AT] + m[KEPT_VALUES] + 4 * m[KEPT], "the kept row");
+    check_slots(received.data_ptr<uint8_t>(), world, send_width, m[SEND_AT], m[CAPACITY], m[NUMEL], "alltoall");
   }
   const uint8_t* in = received.data_ptr<uint8_t>();
   uint8_t* out = kept_row.data_ptr<uint8_t>();
@@ -205,8 +222,10 @@ void return_dropped(const torch::Tensor& gathered, int64_t kept_width, const tor
   int64_t total = 0;
   for (size_t j = 0; j < members.size(); ++j) {
     const Member& m = members[j];
+    check_fields(m, send_width, kept_width);
     check_floats(residuals[j], m[NUMEL], "a residual");
     check_slots(gathered.data_ptr<uint8_t>(), world, kept_width, m[KEPT_AT], m[KEPT], m[NUMEL], "allgather");
+    check_slots(sent.data_ptr<uint8_t>(), world, send_width, m[SEND_AT], m[CAPACITY], m[NUMEL], "sent row");
     total = std::max(total, m[BASE] + m[NUMEL]);
   }
   TORCH_CHECK(marks.device().is_cpu() && marks.is_contiguous() && marks.scalar_type() == at::kBool &&
@@ -242,6 +261,7 @@ void apply_member(const torch::Tensor& gathered, int64_t kept_width, const torch
   const std::vector<Member> members = members_of(table);
   TORCH_CHECK(member >= 0 && member < static_cast<int64_t>(members.size()), "horovod-topk: no member ", member);
   const Member& m = members[member];
+  check_fields(m, -1, kept_width);
   check_bytes(gathered, world * kept_width, "the allgather's rows");
   check_floats(out, m[NUMEL], "an output");
   const uint8_t* rows = gathered.data_ptr<uint8_t>();
