@@ -150,8 +150,8 @@ class _Geometry:
     def marks(self) -> torch.Tensor:
         """An all-False flag per entry of the index space, plus the sentinel's: for marking which entries some owner
         kept. Give it back with :meth:`release_marks` after clearing what was set. Why kept between steps on the CPU:
-        a fresh (total + 1)-byte buffer is page-faulted in every step, ~10 ms per 25M entries, four times clearing
-        only what was set; on an accelerator the caching allocator reuses the memory already. A pool, not one
+        a fresh (total + 1)-byte buffer is page-faulted in every step, ~10 ms per 25M entries, where clearing only
+        what was set costs ~1 ms; on an accelerator the caching allocator reuses the memory already. A pool, not one
         buffer: two flights of the same geometry may be in phase 3 at once (DDP's callbacks)."""
         if self._spare_marks:
             try:
