@@ -8,7 +8,9 @@ collectives cost next to nothing and the difference to DDP's own allreduce is th
 
 Each step: a loss whose backward pass produces every parameter's gradient (sum of parameter x fixed random
 tensor: autograd, DDP's hooks and buckets as in training, with compute that stays small next to the
-compression's), then DDP's reduction. Timed: ``loss.backward()`` to the end of DDP's reduction (on a GPU, with
+compression's), then DDP's reduction; with ``--real-batch B`` a real network of that size instead (torchvision's
+ResNet-50, or a GPT-2-small-sized decoder from torch.nn) on one fixed batch, forward included, so that backward's
+compute can hide what the hook overlaps. Timed: ``loss.backward()`` to the end of DDP's reduction (on a GPU, with
 ``torch.cuda.synchronize()`` after it), median of ``--repeat`` steps after 3 warm-up steps. Methods, interleaved
 step by step so that the machine's noise hits them alike:
 ``dense`` (DDP's allreduce), ``topk`` (TopKEFState at --ratio: on a GPU the bucket's allgather members selected by one
@@ -55,21 +57,66 @@ class Shapes(torch.nn.Module):
         return sum((w * d).sum() for w, d in zip(self.weights, self.directions))
 
 
+class GPTSmall(torch.nn.Module):
+    """A GPT-2-small-sized decoder from torch.nn alone (12 pre-norm layers, width 768, 12 heads, vocabulary 50,257,
+    tied head: 124M parameters), so that the real-model step needs no package beyond torch."""
+
+    def __init__(self, layers: int = 12, width: int = 768, vocab: int = 50257, context: int = 1024) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(context, width)
+        block = torch.nn.TransformerEncoderLayer(width, width // 64, 4 * width, dropout=0.0, activation="gelu",
+                                                 batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        steps = ids.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(steps, device=ids.device)
+        x = self.tokens(ids) + self.positions(torch.arange(steps, device=ids.device))
+        x = self.norm(self.blocks(x, mask=mask, is_causal=True))
+        return torch.nn.functional.cross_entropy((x @ self.tokens.weight.t()).flatten(0, 1),
+                                                 ids.roll(-1, 1).flatten())
+
+
+def real_model(name: str, device: torch.device, batch: int) -> tuple:
+    """A real network of the named size with one fixed batch: ``(module, inputs, loss_of_output)``. ResNet-50 needs
+    torchvision (present on the GPU image); the GPT-2-small stand-in is torch.nn alone."""
+    torch.manual_seed(0)
+    if name.startswith("resnet50"):
+        import torchvision
+        module = torchvision.models.resnet50().to(device)
+        images = torch.randn(batch, 3, 224, 224, device=device)
+        labels = torch.randint(0, 1000, (batch,), device=device)
+        return module, (images,), lambda out: torch.nn.functional.cross_entropy(out, labels)
+    if name.startswith("gpt2"):
+        module = GPTSmall().to(device)
+        ids = torch.randint(0, 50257, (batch, 256), device=device)
+        return module, (ids,), lambda out: out
+    raise ValueError(f"no real model for {name!r}: use resnet50-25.6M or gpt2-small-124M")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def measure(model_name: str, device: torch.device, ratio: float, repeat: int, methods: List[str]) -> Dict[str, float]:
-    shapes = MODELS[model_name]()
+def measure(model_name: str, device: torch.device, ratio: float, repeat: int, methods: List[str],
+            real_batch: int = 0) -> Dict[str, float]:
     models: Dict[str, DDP] = {}
+    inputs: Dict[str, tuple] = {}
     for method in methods:
-        module = Shapes(shapes, device)
+        if real_batch:
+            module, batch, loss_of = real_model(model_name, device, real_batch)
+        else:
+            module, batch, loss_of = Shapes(MODELS[model_name](), device), (), (lambda out: out)
         ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
         if method != "dense":
             ddp.register_comm_hook(TopKEFState(ratio=ratio, named_parameters=module.named_parameters()),
                                    topk_ef_hook)
         models[method] = ddp
+        inputs[method] = (batch, loss_of)
+    shapes = [tuple(p.shape) for p in next(iter(models.values())).module.parameters()]
     residuals = [torch.zeros(s, device=device) for s in shapes]
     grads = [torch.randn(s, device=device) for s in shapes]
     groupable = bucket_select.groupable
@@ -81,11 +128,12 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
 
     runs: Dict[str, Callable[[], None]] = {"elementwise": elementwise}
     for method, ddp in models.items():
-        def step(ddp: DDP = ddp, alone: bool = method == "topk-alone") -> None:
+        def step(ddp: DDP = ddp, alone: bool = method == "topk-alone", batch: tuple = inputs[method][0],
+                 loss_of: Callable = inputs[method][1]) -> None:
             bucket_select.groupable = (lambda *args: False) if alone else groupable
             try:
                 ddp.zero_grad(set_to_none=False)
-                ddp().backward()
+                loss_of(ddp(*batch)).backward()
             finally:
                 bucket_select.groupable = groupable
         runs[method] = step
@@ -97,7 +145,31 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
             _sync(device)
             if i >= 3:
                 times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
+    result = {name: statistics.median(values) for name, values in times.items()}
+    if device.type == "cuda":
+        for method in methods:
+            result[f"syncs:{method}"] = host_syncs(runs[method], device)
+    return result
+
+
+def host_syncs(step: Callable[[], None], device: torch.device) -> int:
+    """How many times one whole step (backward, DDP's hooks, the reduction) made the host wait for the GPU, counted
+    by torch's sync debug mode ("warn": one warning per synchronising call) -- the training step's own check, next
+    to the unit tests' check of the grouped selection alone."""
+    import warnings
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize(device)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    for w in syncs[:3]:
+        print(f"#   host sync: {str(w.message)[:160]} ({w.filename}:{w.lineno})")
+    return len(syncs)
 
 
 def main() -> None:
@@ -107,6 +179,10 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--methods", nargs="+", default=None, choices=METHODS)
+    parser.add_argument("--real-batch", type=int, default=0,
+                        help="time a real network of each size (torchvision's ResNet-50 on this many 224x224 images, "
+                             "a GPT-2-small-sized decoder on this many 256-token sequences) instead of the shapes "
+                             "alone: forward and backward in every step, so backward's compute can hide the work")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -121,17 +197,21 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     try:
         print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
-              f", ratio {args.ratio}, median of {args.repeat} steps ({time.strftime('%Y-%m-%d')})")
+              f", ratio {args.ratio}, median of {args.repeat} steps ({time.strftime('%Y-%m-%d')}), "
+              + (f"real networks, batch {args.real_batch}" if args.real_batch else "layer shapes alone"))
         print("| model | " + " | ".join(f"{m} ms" for m in methods) + " | elementwise ms | "
               + " | ".join(f"{m} - dense ms" for m in methods if m != "dense") + " |")
         print("|---" * (1 + 2 * len(methods)) + "|")
         for name in args.models:
-            r = measure(name, device, args.ratio, args.repeat, methods)
+            r = measure(name, device, args.ratio, args.repeat, methods, args.real_batch)
             over = [f"{r[m] - r['dense']:.2f}" + (f" ({(r[m] - r['dense']) / r['elementwise']:.2f}x elem.)"
                                                    if device.type == "cpu" else "")
                     for m in methods if m != "dense"]
             print(f"| {name} | " + " | ".join(f"{r[m]:.2f}" for m in methods) + f" | {r['elementwise']:.2f} | "
                   + " | ".join(over) + " |")
+            if device.type == "cuda":
+                print(f"# {name}: host synchronisations in one step (sync debug mode): "
+                      + ", ".join(f"{m} {r['syncs:' + m]}" for m in methods))
     finally:
         dist.destroy_process_group()
 
