@@ -15,12 +15,15 @@ compute can hide what the hook overlaps. Timed: ``loss.backward()`` to the end o
 step by step so that the machine's noise hits them alike:
 ``dense`` (DDP's allreduce), ``topk`` (TopKEFState at --ratio: on a GPU the bucket's allgather members selected by one
 run of the grouped kernels, torch.bucket_select), ``topk-alone`` (the same, each member selected on its own; on the
-CPU the same as ``topk``: the fused kernel runs per member there). One elementwise pass (``r.add_(g)`` over every
+CPU the same as ``topk``: the fused kernel runs per member there), ``topk-graphs`` (``topk`` with each bucket's
+selection recorded once as a CUDA graph and replayed: HOROVOD_TOPK_CUDA_GRAPHS=1, torch.group_graphs; GPU only).
+One elementwise pass (``r.add_(g)`` over every
 gradient) is timed in the same steps, as the unit the CPU numbers are given in.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import statistics
@@ -37,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_compress import MODELS  # noqa: E402  (the same real layer shapes)
 
-from horovod_topk.torch import bucket_select  # noqa: E402
+from horovod_topk.torch import bucket_select, group_graphs  # noqa: E402
 from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook  # noqa: E402
 
-METHODS = ["dense", "topk", "topk-alone"]
+METHODS = ["dense", "topk", "topk-alone", "topk-graphs"]
 
 
 class Shapes(torch.nn.Module):
@@ -53,8 +56,9 @@ class Shapes(torch.nn.Module):
             [torch.nn.Parameter(torch.randn(s, generator=gen).to(device) * 0.01) for s in shapes])
         self.directions = [torch.randn(s, generator=gen).to(device) for s in shapes]
 
-    def forward(self) -> torch.Tensor:
-        return sum((w * d).sum() for w, d in zip(self.weights, self.directions))
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        # one tensor input: DDP on CUDA moves its inputs to the device and cannot be called without one
+        return scale * sum((w * d).sum() for w, d in zip(self.weights, self.directions))
 
 
 class GPTSmall(torch.nn.Module):
@@ -102,18 +106,21 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(model_name: str, device: torch.device, ratio: float, repeat: int, methods: List[str],
-            real_batch: int = 0) -> Dict[str, float]:
+            real_batch: int = 0, profile: int = 0) -> Dict[str, float]:
     models: Dict[str, DDP] = {}
+    hook_ms: Dict[str, List[float]] = {}
+    states: Dict[str, TopKEFState] = {}
     inputs: Dict[str, tuple] = {}
     for method in methods:
         if real_batch:
             module, batch, loss_of = real_model(model_name, device, real_batch)
         else:
-            module, batch, loss_of = Shapes(MODELS[model_name](), device), (), (lambda out: out)
+            module = Shapes(MODELS[model_name](), device)
+            batch, loss_of = (torch.ones((), device=device),), (lambda out: out)
         ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
         if method != "dense":
-            ddp.register_comm_hook(TopKEFState(ratio=ratio, named_parameters=module.named_parameters()),
-                                   topk_ef_hook)
+            states[method] = TopKEFState(ratio=ratio, named_parameters=module.named_parameters())
+            ddp.register_comm_hook(states[method], timed_hook(hook_ms.setdefault(method, [])))
         models[method] = ddp
         inputs[method] = (batch, loss_of)
     shapes = [tuple(p.shape) for p in next(iter(models.values())).module.parameters()]
@@ -129,27 +136,70 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
     runs: Dict[str, Callable[[], None]] = {"elementwise": elementwise}
     for method, ddp in models.items():
         def step(ddp: DDP = ddp, alone: bool = method == "topk-alone", batch: tuple = inputs[method][0],
-                 loss_of: Callable = inputs[method][1]) -> None:
+                 loss_of: Callable = inputs[method][1], graphs: bool = method == "topk-graphs") -> None:
             bucket_select.groupable = (lambda *args: False) if alone else groupable
+            os.environ[group_graphs.ENV] = "1" if graphs else "0"
             try:
                 ddp.zero_grad(set_to_none=False)
                 loss_of(ddp(*batch)).backward()
             finally:
                 bucket_select.groupable = groupable
         runs[method] = step
+    hook_per_step: Dict[str, List[float]] = {m: [] for m in hook_ms}
     for i in range(3 + repeat):
         for name, fn in runs.items():
+            if name in hook_ms:
+                hook_ms[name].clear()
             _sync(device)
             start = time.perf_counter()
             fn()
             _sync(device)
             if i >= 3:
                 times[name].append((time.perf_counter() - start) * 1e3)
+                if name in hook_ms:
+                    hook_per_step[name].append(sum(hook_ms[name]))
     result = {name: statistics.median(values) for name, values in times.items()}
+    if "topk-graphs" in states:  # the graphs did replay (recording failed nowhere)
+        result["replays"] = states["topk-graphs"]._group_selection().replays()
+    for method, per_step in hook_per_step.items():  # the host's time inside the hook (planning, selection, launches)
+        result[f"hook:{method}"] = statistics.median(per_step)
+    if profile and "topk" in runs:
+        host_profile(runs["topk"], device, profile)
     if device.type == "cuda":
         for method in methods:
             result[f"syncs:{method}"] = host_syncs(runs[method], device)
     return result
+
+
+def timed_hook(calls: List[float]) -> Callable:
+    """topk_ef_hook, with the host's time inside each call appended to ``calls`` (ms): on a GPU the hook runs in
+    autograd's device thread between backward's launches, so its host time is what a step can lose."""
+    @functools.wraps(topk_ef_hook)  # DDP checks the hook's annotations
+    def hook(state, bucket):
+        start = time.perf_counter()
+        try:
+            return topk_ef_hook(state, bucket)
+        finally:
+            calls.append((time.perf_counter() - start) * 1e3)
+    return hook
+
+
+def host_profile(step: Callable[[], None], device: torch.device, steps: int) -> None:
+    """Where the host's time goes in ``steps`` TopKEF steps (cProfile): on a GPU the step is bound by what the host
+    does between launches, so this is the list of what to make cheaper."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    _sync(device)
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    for order in ("tottime", "cumulative"):
+        print(f"# host profile of {steps} topk steps, by {order}:")
+        stats.sort_stats(order).print_stats(28)
 
 
 def host_syncs(step: Callable[[], None], device: torch.device) -> int:
@@ -166,7 +216,7 @@ def host_syncs(step: Callable[[], None], device: torch.device) -> int:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize(device)
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     for w in syncs[:3]:
         print(f"#   host sync: {str(w.message)[:160]} ({w.filename}:{w.lineno})")
     return len(syncs)
@@ -183,11 +233,15 @@ def main() -> None:
                         help="time a real network of each size (torchvision's ResNet-50 on this many 224x224 images, "
                              "a GPT-2-small-sized decoder on this many 256-token sequences) instead of the shapes "
                              "alone: forward and backward in every step, so backward's compute can hide the work")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timing, profile the host's work in this many topk steps (cProfile)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     methods = args.methods or (METHODS if device.type == "cuda" else ["dense", "topk"])
+    if "topk-graphs" in methods and device.type != "cuda":
+        parser.error("topk-graphs records CUDA graphs: it needs --device cuda")
     torch.set_num_threads(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -203,12 +257,16 @@ def main() -> None:
               + " | ".join(f"{m} - dense ms" for m in methods if m != "dense") + " |")
         print("|---" * (1 + 2 * len(methods)) + "|")
         for name in args.models:
-            r = measure(name, device, args.ratio, args.repeat, methods, args.real_batch)
+            r = measure(name, device, args.ratio, args.repeat, methods, args.real_batch, args.profile)
             over = [f"{r[m] - r['dense']:.2f}" + (f" ({(r[m] - r['dense']) / r['elementwise']:.2f}x elem.)"
                                                    if device.type == "cpu" else "")
                     for m in methods if m != "dense"]
             print(f"| {name} | " + " | ".join(f"{r[m]:.2f}" for m in methods) + f" | {r['elementwise']:.2f} | "
                   + " | ".join(over) + " |")
+            print(f"# {name}: host ms inside the hook per step (launching, not waiting): "
+                  + ", ".join(f"{m} {r['hook:' + m]:.2f}" for m in methods if m != "dense"))
+            if "replays" in r:
+                print(f"# {name}: topk-graphs replayed {r['replays']} bucket selections as CUDA graphs")
             if device.type == "cuda":
                 print(f"# {name}: host synchronisations in one step (sync debug mode): "
                       + ", ".join(f"{m} {r['syncs:' + m]}" for m in methods))

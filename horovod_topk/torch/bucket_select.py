@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from ..core import PayloadLayout
-from . import selection
+from . import group_graphs, selection
 from .selection import compress_tensor, decompress_tensor
 
 __all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", "groupable"]
@@ -95,9 +95,8 @@ class SelectedGroup:
                                                                                  device=rows.device)
         with selection.on_device(rows.device):
             kernels.accumulate(list(rows), self.group, self.members[0].wire_dtype, scale, out)
-        if self.span is None:
-            for m, start in zip(self.members, self.group.starts):
-                m.flat.copy_(out[start:start + m.flat.numel()])
+        if self.span is None:  # one batched copy (a multi-tensor kernel on CUDA), not a launch per member
+            torch._foreach_copy_([m.flat for m in self.members], list(out.split(list(self.group.numels))))
 
 
 class GroupSelection:
@@ -107,10 +106,10 @@ class GroupSelection:
     the records' residuals), this object only remembers which buffer each group uses."""
 
     def __init__(self) -> None:
-        #: (member names, numels, layouts, device) -> (GroupLayout, flat residual buffer)
-        self._groups: "OrderedDict[Tuple, Tuple[Any, torch.Tensor]]" = OrderedDict()
+        #: (member names, numels, layouts, device) -> the group's layout, residual buffer and non-finite counts
+        self._groups: "OrderedDict[Tuple, _Group]" = OrderedDict()
 
-    def _group(self, members: Sequence[GroupMember], kernels: Any) -> Tuple[Any, torch.Tensor]:
+    def _group(self, members: Sequence[GroupMember], kernels: Any) -> "_Group":
         device = members[0].flat.device
         key = (tuple(m.name for m in members), tuple(m.flat.numel() for m in members),
                tuple(m.layout for m in members), device)
@@ -125,33 +124,78 @@ class GroupSelection:
         for stale in [k for k in self._groups if k[:2] != key[:2] and names.intersection(k[0])]:
             del self._groups[stale]
         # a buffer of the same members under other k's (a warm-up) is the same residuals: reuse it
-        buffer = next((buf for k, (_, buf) in self._groups.items() if k[:2] == key[:2] and k[3] == device), None)
+        buffer = next((g.residuals for k, g in self._groups.items() if k[:2] == key[:2] and k[3] == device), None)
         if buffer is None:
             buffer = torch.zeros(layout.numel, dtype=torch.float32, device=device)
-        self._groups[key] = (layout, buffer)
+        group = self._groups[key] = _Group(layout, buffer, torch.zeros(len(members), dtype=torch.int64,
+                                                                       device=device))
         while len(self._groups) > _LAYOUTS_KEPT:
             self._groups.popitem(last=False)
-        return layout, buffer
+        return group
+
+    def replays(self) -> int:
+        """How many selections ran as a replayed CUDA graph (group_graphs)."""
+        return sum(g.graphs.replays for g in self._groups.values())
 
     def select(self, members: Sequence[GroupMember], state: Any) -> SelectedGroup:
         """Compensate and select every member of ``members`` at once (each member's record counts its step's
         non-finite flag and its share of the time, by size)."""
         kernels = selection.triton_backend().kernels
-        group, residuals = self._group(members, kernels)
+        found = self._group(members, kernels)
+        group, residuals = found.layout, found.residuals
         for m, start in zip(members, group.starts):
-            view = residuals[start:start + m.flat.numel()]
-            if m.residual.data_ptr() != view.data_ptr():  # first step, a loaded or moved residual: adopt it
+            if m.residual.data_ptr() != residuals.data_ptr() + 4 * start:  # first step, a loaded or moved residual
+                view = residuals[start:start + m.flat.numel()]
                 view.copy_(m.residual)
                 m.record.residual = m.residual = view
+        found.adopt_counts([m.record for m in members])
         span = _span([m.flat for m in members])
+        device = members[0].flat.device
         started = time.perf_counter()
-        with selection.on_device(members[0].flat.device):
+
+        def work() -> Tuple[torch.Tensor]:
             grads = span if span is not None else torch.cat([m.flat for m in members])
             payload, nonfinite = kernels.compensate_and_select(grads, residuals, group, members[0].wire_dtype)
-        seconds = time.perf_counter() - started
-        for i, m in enumerate(members):
-            state._selected(m.record, nonfinite[i], seconds * m.flat.numel() / group.numel)
+            found.counts.add_(nonfinite)  # every member's record reads its own element: one launch per bucket
+            return (payload,)
+
+        with selection.on_device(device):
+            if group_graphs.enabled(device):
+                addresses = (residuals.data_ptr(), *(m.flat.data_ptr() for m in members))
+                (payload,) = found.graphs.run(addresses, work, device)
+            else:
+                (payload,) = work()
+        state._selected_group([m.record for m in members], group.numels, time.perf_counter() - started)
         return SelectedGroup(group, members, payload, span)
+
+
+class _Group:
+    """One group's device state: its layout, the residual buffer its members' residuals are views of, and its
+    members' non-finite step counts, whose elements the members' records hold (so a step adds every member's flag
+    with one launch, and a record read anywhere -- stats(), a checkpoint -- sees its own count)."""
+
+    def __init__(self, layout: Any, residuals: torch.Tensor, counts: torch.Tensor) -> None:
+        self.layout = layout
+        self.residuals = residuals
+        self.counts = counts
+        self._views: List[Optional[torch.Tensor]] = [None] * counts.numel()
+        #: This group's selection recorded as CUDA graphs (HOROVOD_TOPK_CUDA_GRAPHS=1), one per set of addresses;
+        #: they read this group's layout tables, so they live and die with it.
+        self.graphs = group_graphs.GroupGraphs()
+
+    def adopt_counts(self, records: Sequence[Any]) -> None:
+        """Point each record's ``nonfinite_steps`` at its element of :attr:`counts`, carrying the count it held (a
+        number, or an element of another group's counts: buckets rebuilt, a load)."""
+        for i, record in enumerate(records):
+            held = record.nonfinite_steps
+            if held is self._views[i]:
+                continue
+            view = self.counts[i]
+            if isinstance(held, torch.Tensor):
+                view.copy_(held)
+            else:
+                view.fill_(int(held))
+            record.nonfinite_steps = self._views[i] = view
 
 
 class BucketSelection:

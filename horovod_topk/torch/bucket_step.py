@@ -104,9 +104,8 @@ class BucketStep:
             rows = self.sparse.gathered_rows(owners)
             for i in range(len(self.sparse.requests)):
                 self.sparse.apply(i, rows)  # written over the member's slice of the buffer
-        if dense_sum is not None and not self.all_dense:
-            at = 0
-            for member in self.plan.dense:
-                self.buffer[member.offset:member.end].copy_(dense_sum[at:at + member.numel])
-                at += member.numel
+        if dense_sum is not None and not self.all_dense:  # one batched copy (one multi-tensor kernel on CUDA)
+            dense = self.plan.dense
+            torch._foreach_copy_([self.buffer[m.offset:m.end] for m in dense],
+                                 list(dense_sum.split([m.numel for m in dense])))
         return self.buffer

@@ -6,7 +6,7 @@ carry the payloads."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -137,6 +137,16 @@ class TorchResiduals:
         and its host time (on a GPU, the launch time)."""
         record.nonfinite_steps += nonfinite
         record.compress_seconds += seconds
+        if self.auto is not None:
+            self.auto.compressed(seconds)
+
+    def _selected_group(self, records: Sequence[TensorRecord[torch.Tensor]], numels: Sequence[int],
+                        seconds: float) -> None:
+        """:meth:`_selected` for a group selected at once (its non-finite counts are the group's, added on the
+        device): each record's share of the host time, by size."""
+        total = sum(numels)
+        for record, numel in zip(records, numels):
+            record.compress_seconds += seconds * numel / total
         if self.auto is not None:
             self.auto.compressed(seconds)
 

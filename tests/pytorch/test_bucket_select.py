@@ -19,18 +19,24 @@ SPLIT = [("w1", 3000), ("bias", 10), ("w2", 5000), ("w3", 2000)]
 ADJACENT = [("w1", 3000), ("w2", 5000), ("w3", 2000)]
 
 
-def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=None, rebuild_at=None):
-    """``steps`` steps of two ranks; returns per step the payloads, the residuals and the averaged buffers."""
+def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=None, rebuild_at=None,
+         fixed=False):
+    """``steps`` steps of two ranks; returns per step the payloads, the residuals and the averaged buffers.
+    ``fixed``: each rank's gradients arrive in the same buffer every step (as DDP's bucket buffers do)."""
     monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
     if not grouped:
         monkeypatch.setattr(bucket_select, "groupable", lambda *args: False)
     states = [TopKEFState(**options) for _ in range(WORLD)]
     gen = torch.Generator().manual_seed(0)
+    fixed_buffers = {}
     history = []
     for step in range(steps):
         layout = members if rebuild_at is None or step < rebuild_at else list(reversed(members))
         numel = sum(n for _, n in layout)
         buffers = [torch.randn(numel, generator=gen).to(DEVICE) for _ in range(WORLD)]
+        if fixed:
+            kept = fixed_buffers.setdefault(numel, [torch.empty_like(b) for b in buffers])
+            buffers = [k.copy_(b) for k, b in zip(kept, buffers)]
         if step == nan_at:
             buffers[1][layout[0][1] + 7] = float("nan")  # entry 7 of the second member, on rank 1
         if step == load_at:
@@ -87,9 +93,19 @@ def test_a_nan_stays_out_of_the_residuals_and_reaches_every_rank(monkeypatch):
 def test_a_load_and_rebuilt_buckets_keep_every_residual(monkeypatch):
     """A load replaces the records' residuals and rebuilt buckets regroup the members: each is adopted into its
     new place with its values, and the steps go on exactly as member by member."""
-    grouped, _ = _run(ADJACENT, True, monkeypatch, {"ratio": 0.02}, steps=5, load_at=2, rebuild_at=3)
-    alone, _ = _run(ADJACENT, False, monkeypatch, {"ratio": 0.02}, steps=5, load_at=2, rebuild_at=3)
+    grouped, states = _run(ADJACENT, True, monkeypatch, {"ratio": 0.02}, steps=5, nan_at=1, load_at=2,
+                           rebuild_at=3)
+    alone, alone_states = _run(ADJACENT, False, monkeypatch, {"ratio": 0.02}, steps=5, nan_at=1, load_at=2,
+                               rebuild_at=3)
     _assert_same(grouped, alone)
+    # the grouped path counts a bucket's non-finite flags on the device; each member's count survives the load and
+    # the regrouping, and reads as a plain number in stats() and the state_dict
+    counts = [[int(s.registry.records[n].nonfinite_steps) for n, _ in ADJACENT] for s in states]
+    assert counts == [[int(s.registry.records[n].nonfinite_steps) for n, _ in ADJACENT] for s in alone_states]
+    assert counts == [[0, 0, 0], [0, 1, 0]]
+    assert [s.stats()["nonfinite_steps"] for s in states] == [0, 1]
+    saved = states[1].state_dict()["tensors"]["w2"]["nonfinite_steps"]
+    assert type(saved) is int and saved == 1
 
 
 def test_not_grouped_where_the_kernels_do_not_apply(monkeypatch):
@@ -110,8 +126,13 @@ def test_a_bucket_step_never_synchronises_the_host(monkeypatch):
     monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
     state = TopKEFState(ratio=0.02)
 
+    # the gradients are made on the device before the checked region: a copy from pageable host memory is itself
+    # a synchronising call, and a training step's gradients are born on the device
+    buffers = [torch.randn(sum(n for _, n in SPLIT), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+               for seed in range(3)]
+
     def one_step(seed: int) -> None:
-        buffer = torch.randn(sum(n for _, n in SPLIT), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        buffer = buffers[seed]
         step = BucketStep(state, state.plan(SPLIT, buffer, WORLD), buffer, [(n,) for _, n in SPLIT], WORLD)
         assert step.selection is not None and step.selection.grouped
         step.finish(torch.cat([step.payload, step.payload]), step.dense * WORLD)
@@ -126,3 +147,20 @@ def test_a_bucket_step_never_synchronises_the_host(monkeypatch):
             torch.cuda.set_sync_debug_mode(0)
     ops = recorded_ops(lambda: one_step(2))
     assert "aten.cat.default" in ops and not syncing(ops), syncing(ops)  # cat: the recording saw the step
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_cuda_graphs_replay_the_same_steps(monkeypatch):
+    """HOROVOD_TOPK_CUDA_GRAPHS=1: each bucket's grouped selection recorded once and replayed; the payloads,
+    residuals, averages and non-finite counts are those of member-by-member selection, through a NaN, a load and
+    rebuilt buckets."""
+    monkeypatch.setenv("HOROVOD_TOPK_CUDA_GRAPHS", "1")
+    for members in (ADJACENT, SPLIT):
+        graphed, states = _run(members, True, monkeypatch, {"ratio": 0.02}, steps=7, nan_at=3, load_at=4,
+                               rebuild_at=5, fixed=True)
+        alone, alone_states = _run(members, False, monkeypatch, {"ratio": 0.02}, steps=7, nan_at=3, load_at=4,
+                                   rebuild_at=5, fixed=True)
+        _assert_same(graphed, alone)
+        assert all(s._group_selection().replays() > 0 for s in states)
+        assert ([[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in states]
+                == [[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in alone_states])

@@ -1,0 +1,87 @@
+"""A bucket's grouped selection replayed as one CUDA graph (opt-in: ``HOROVOD_TOPK_CUDA_GRAPHS=1``).
+
+Why: on a GPU the grouped selection's time is the host's, not the device's. One bucket is ~12 Triton launches and
+~10 small torch operations, each tens of microseconds of Python and driver work, while the kernels themselves take
+~0.2 ms per 25 MB (docs/performance.md, "GPUs"). Recorded once as a CUDA graph, the same work is one launch.
+
+What makes it safe to replay: the recorded work reads the bucket's gradients and the group's residual buffer, and
+writes the residuals, a payload and the group's non-finite counts, all at fixed addresses. A graph is recorded per
+(group, addresses of the gradients and residuals): a bucket rebuilt or a residual moved gets a new one, so a replay
+never reads stale memory. Its outputs are the graph's own buffers, overwritten by the next replay: the payload is
+read by the bucket's allgather, which completes before the next step's backward (DDP waits for every bucket).
+
+Recording happens on the second step a group is seen (the first runs eagerly: it compiles the Triton kernels and
+adopts the residuals); recording synchronises the device once, so it is a first-steps cost, never a steady-state
+one. Any failure to record (a driver without graph support, memory) turns graphs off for that group, with one
+warning, and the eager path runs as before.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+
+import torch
+
+__all__ = ["ENV", "GroupGraphs", "enabled"]
+
+#: The switch: "1" records each bucket's grouped selection as a CUDA graph.
+ENV = "HOROVOD_TOPK_CUDA_GRAPHS"
+
+Outputs = Tuple[torch.Tensor, ...]
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether graphs are asked for, and possible on ``device``."""
+    return device.type == "cuda" and os.environ.get(ENV, "").strip() == "1"
+
+
+class GroupGraphs:
+    """One group's recorded graphs, one per set of addresses (gradients, residuals); the group owns it, so a graph
+    never outlives the layout tables it reads."""
+
+    _KEPT = 4  # a bucket's gradients move only when DDP rebuilds its buckets
+
+    def __init__(self) -> None:
+        self._graphs: Dict[Hashable, Tuple[Any, Outputs]] = {}
+        self._seen: Dict[Hashable, int] = {}
+        self._failed: set = set()
+        #: Replays so far (a benchmark reads it to show which path ran).
+        self.replays = 0
+
+    def run(self, key: Hashable, work: Callable[[], Outputs], device: torch.device) -> Outputs:
+        """``work()``'s outputs: eager the first time ``key`` is seen, recorded as a graph the second time, replayed
+        from then on."""
+        found = self._graphs.get(key)
+        if found is not None:
+            graph, outputs = found
+            graph.replay()
+            self.replays += 1
+            return outputs
+        seen = self._seen.get(key, 0)
+        self._seen[key] = seen + 1
+        if seen == 0 or key in self._failed:
+            return work()
+        recorded = self._record(key, work, device)
+        if recorded is None:
+            return work()
+        graph, outputs = recorded
+        graph.replay()  # recording does not run the work: this step's results come from the first replay
+        self.replays += 1
+        return outputs
+
+    def _record(self, key: Hashable, work: Callable[[], Outputs], device: torch.device) -> Optional[Tuple[Any, Outputs]]:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            # thread-local: DDP runs the hook in autograd's device thread while the main thread waits
+            with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outputs = work()
+        except Exception as err:  # noqa: BLE001 -- any failure leaves the eager path, which is always correct
+            self._failed.add(key)
+            warnings.warn(f"horovod-topk: recording a bucket's selection as a CUDA graph failed ({err!r}); this "
+                          f"bucket runs without a graph", RuntimeWarning, stacklevel=3)
+            return None
+        if len(self._graphs) >= self._KEPT:
+            self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = (graph, outputs)
+        return graph, outputs
