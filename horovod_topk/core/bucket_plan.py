@@ -13,7 +13,9 @@ Pure functions and frozen dataclasses; standard library only.
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence, Tuple
 
 from .autodensity import dense_plan
@@ -49,14 +51,16 @@ class MemberPlan:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """What one bucket does on one step, the same on every rank (every input is)."""
+    """What one bucket does on one step, the same on every rank (every input is). Immutable: its derived views
+    (dense, compressed, name, ...) are computed once per plan, and plan_bucket hands back the same plan while its
+    inputs stay the same, so a bucket's per-step planning is a lookup in steady state."""
 
     members: Tuple[MemberPlan, ...]
     #: The exchanges the compressed members take this step (core.exchange), in the order of the first member
     #: that takes each; empty when no member is compressed.
     exchanges: Tuple[str, ...]
 
-    @property
+    @cached_property
     def exchange(self) -> str:
         """The exchange of the compressed members when they share one ("allgather" or "sparse_allreduce"),
         "mixed" when they do not, "dense" when no member is compressed."""
@@ -64,7 +68,7 @@ class BucketPlan:
             return DENSE
         return self.exchanges[0] if len(self.exchanges) == 1 else "mixed"
 
-    @property
+    @cached_property
     def compressed(self) -> Tuple[MemberPlan, ...]:
         return tuple(m for m in self.members if m.compressed)
 
@@ -72,15 +76,15 @@ class BucketPlan:
         """The compressed members whose entries travel by ``exchange``, in bucket order."""
         return tuple(m for m in self.members if m.compressed and m.plan.exchange == exchange)
 
-    @property
+    @cached_property
     def dense(self) -> Tuple[MemberPlan, ...]:
         return tuple(m for m in self.members if not m.compressed)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(m.numel for m in self.members)
 
-    @property
+    @cached_property
     def payload(self) -> Optional[BucketLayout]:
         """The allgather members' payloads back to back (one rank's share of the bucket's allgather)."""
         members = self.taking(ALLGATHER)
@@ -88,20 +92,25 @@ class BucketPlan:
             return None
         return BucketLayout(tuple(m.name for m in members), tuple(m.layout.nbytes for m in members))  # type: ignore[union-attr]
 
-    @property
+    @cached_property
     def compressed_contiguous(self) -> bool:
         """Whether the compressed members lie end to end in the bucket's buffer (then the grouped kernels read
         the gradient in place instead of from a gathered copy)."""
         members = self.compressed
         return all(a.end == b.offset for a, b in zip(members, members[1:]))
 
-    @property
+    @cached_property
     def name(self) -> str:
         """A readable, deterministic name (first and last member, count, checksum of every name)."""
         names = [m.name for m in self.members]
         digest = zlib.crc32("\0".join(names).encode("utf-8")) & 0xFFFFFFFF
         last = f"..{names[-1]}" if len(names) > 1 else ""
         return f"bucket.{names[0]}{last}.{len(names)}.{digest:08x}"
+
+
+#: plan_bucket's recent results: a model's buckets in steady state (after any warm-up) plan the same every step.
+_PLANS: "OrderedDict[tuple, BucketPlan]" = OrderedDict()
+_PLANS_KEPT = 256
 
 
 def plan_bucket(
@@ -124,6 +133,24 @@ def plan_bucket(
     """
     if not members:
         raise ValueError("horovod-topk: a bucket needs at least one member")
+    # the step matters only inside the sparsity warm-up (core.policy.warmup_ratio)
+    phase = min(step, config.warmup_steps) if config is not None else 0
+    key = (tuple(members), config, is_floating, world_size, phase, value_itemsize, grad_itemsize, sparse_available)
+    found = _PLANS.get(key)
+    if found is not None:
+        _PLANS.move_to_end(key)
+        return found
+    plan = _plan_bucket(members, config, is_floating=is_floating, world_size=world_size, step=step,
+                        value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
+    _PLANS[key] = plan
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _plan_bucket(members: Sequence[Tuple[str, int]], config: Optional[TopKConfig], *, is_floating: bool,
+                 world_size: int, step: int, value_itemsize: int, grad_itemsize: int,
+                 sparse_available: bool) -> BucketPlan:
     planned, offset = [], 0
     for name, numel in members:
         if config is None:

@@ -22,6 +22,7 @@ the indices and values of all ranks in place, without copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["PayloadLayout", "INDEX_ITEMSIZE", "ALIGNMENT", "PayloadSizeMismatch", "SEGMENT_BITS", "FLOAT8_MAX",
            "float8_e4m3_values", "payload_layout"]
@@ -64,7 +65,8 @@ class PayloadLayout:
     """Byte offsets of the parts of a k-entry payload with values of ``value_itemsize`` bytes.
 
     ``index_bits`` 16 (with ``numel``, the tensor's size) selects segmented 16-bit indices; ``scaled`` a float32
-    scale in front (float8 values). The defaults are the plain layout.
+    scale in front (float8 values). The defaults are the plain layout. Immutable, so its offsets are computed
+    once per layout (they are read for every member of every bucket on every step).
     """
 
     k: int
@@ -83,54 +85,54 @@ class PayloadLayout:
         if self.index_bits == 16 and self.numel < self.k:
             raise ValueError(f"16-bit indices need the tensor's size (numel={self.numel}) to be at least k={self.k}")
 
-    @property
+    @cached_property
     def scale_nbytes(self) -> int:
         """The float32 scale of float8 values, padded to 8 bytes; 0 without."""
         return ALIGNMENT if self.scaled else 0
 
-    @property
+    @cached_property
     def segments(self) -> int:
         """How many 65536-entry segments carry a count (16-bit indices); 0 for int32 indices."""
         return -(-self.numel // (1 << SEGMENT_BITS)) if self.index_bits == 16 else 0
 
-    @property
+    @cached_property
     def counts_offset(self) -> int:
         return self.scale_nbytes
 
-    @property
+    @cached_property
     def index_itemsize(self) -> int:
         return self.index_bits // 8
 
-    @property
+    @cached_property
     def indices_offset(self) -> int:
         return self.counts_offset + 4 * self.segments
 
-    @property
+    @cached_property
     def indices_end(self) -> int:
         return self.indices_offset + self.k * self.index_itemsize
 
-    @property
+    @cached_property
     def indices_nbytes(self) -> int:
         return self.k * self.index_itemsize
 
-    @property
+    @cached_property
     def compact(self) -> bool:
         """Whether this is not the plain [int32 indices | values] layout."""
         return self.index_bits != 32 or self.scaled
 
-    @property
+    @cached_property
     def values_offset(self) -> int:
         return _align_up(self.indices_end, max(self.value_itemsize, self.index_itemsize))
 
-    @property
+    @cached_property
     def values_nbytes(self) -> int:
         return self.k * self.value_itemsize
 
-    @property
+    @cached_property
     def values_end(self) -> int:
         return self.values_offset + self.values_nbytes
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes one rank hands to the allgather for this tensor."""
         return _align_up(self.values_end, ALIGNMENT)

@@ -207,13 +207,19 @@ class BucketSelection:
     ``TorchResiduals``. The grouped kernels run where :func:`groupable` allows, else each member's backend."""
 
     def __init__(self, state: Any, items: Sequence[Tuple[str, Any, torch.Tensor, torch.Tensor, int]],
-                 world_size: int, op_name: str) -> None:
+                 world_size: int, op_name: str, layouts: Optional[Sequence[PayloadLayout]] = None) -> None:
         self.world_size = world_size
         self.members: List[GroupMember] = []
         backends, momentum = [], []
-        for name, record, tensor, flat, k in items:
-            residual, momentum_buffer, layout, wire_dtype, backend = state._prepare(name, record, tensor, flat, k,
-                                                                                    world_size, op_name)
+        # wire dtype and backend depend on a gradient's dtype and device only: found once per kind in the bucket
+        how: dict = {}
+        for i, (name, record, tensor, flat, k) in enumerate(items):
+            kind = (tensor.dtype, tensor.device)
+            if kind not in how:
+                how[kind] = (state._wire_dtype(tensor), state._backend(tensor))
+            residual, momentum_buffer, layout, wire_dtype, backend = state._prepare(
+                name, record, tensor, flat, k, world_size, op_name, layouts[i] if layouts is not None else None,
+                how[kind])
             self.members.append(GroupMember(name, record, flat, residual, layout, wire_dtype))
             record.bytes_sent += layout.nbytes
             backends.append(backend)

@@ -46,6 +46,7 @@ class BucketStep:
         self.scale = reduction_scale("average", 1.0, 1.0, world_size)
         itemsize = buffer.element_size()
         gathered: List[Tuple[str, Any, torch.Tensor, torch.Tensor, int]] = []
+        layouts = []
         sparse: List[ExchangeRequest] = []
         for member, shape in zip(plan.members, shapes):
             record = state.registry.record(member.name, tuple(shape))
@@ -66,10 +67,11 @@ class BucketStep:
                                               self.scale, world_size, None, backend, residual, record))
                 continue
             gathered.append((member.name, record, flat, flat, member.plan.k))
+            layouts.append(member.layout)
         #: The allgather members selected (torch.bucket_select: the grouped kernels on a GPU), or None.
         self.selection: Optional[BucketSelection] = None
         if gathered:
-            self.selection = BucketSelection(state, gathered, world_size, "average")
+            self.selection = BucketSelection(state, gathered, world_size, "average", layouts)
         #: This rank's share of the bucket's allgather (uint8), or None when no member takes the allgather.
         self.payload: Optional[torch.Tensor] = self.selection.payload if self.selection is not None else None
         #: The sparse allreduce of the members that take it (its send blocks are ready), or None.

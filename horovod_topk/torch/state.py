@@ -119,18 +119,22 @@ class TorchResiduals:
 
     def _prepare(
         self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, flat: torch.Tensor, k: int,
-        world_size: int, op_name: str,
+        world_size: int, op_name: str, layout: Optional[PayloadLayout] = None,
+        how: Optional[Tuple[torch.dtype, Backend]] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], PayloadLayout, torch.dtype, Backend]:
         """Everything a selection of ``tensor`` needs before its kernels run: (residual, momentum buffer, payload
-        layout, wire dtype, backend); the residual rescaled if the number of workers changed."""
+        layout, wire dtype, backend); the residual rescaled if the number of workers changed. A bucket passes
+        the ``layout`` its plan holds and ``how`` (wire dtype, backend) found once for all its members: the same
+        values, without recomputing them per member and step."""
         residual, momentum_buffer = self._state_buffers(name, record, tensor)
         world_factor = residual_world_factor(op_name, record.world_size, world_size)
         if world_factor != 1.0:  # workers left or joined since this residual was built
             residual.mul_(world_factor)
         record.world_size = world_size
-        wire_dtype = self._wire_dtype(tensor)
-        layout = tensor_payload_layout(self.config, k, flat.numel(), dtype_token(wire_dtype).element_size())
-        return residual, momentum_buffer, layout, wire_dtype, self._backend(tensor)
+        wire_dtype, backend = how if how is not None else (self._wire_dtype(tensor), self._backend(tensor))
+        if layout is None:
+            layout = tensor_payload_layout(self.config, k, flat.numel(), dtype_token(wire_dtype).element_size())
+        return residual, momentum_buffer, layout, wire_dtype, backend
 
     def _selected(self, record: TensorRecord[torch.Tensor], nonfinite: Any, seconds: float) -> None:
         """Count one selection in the record (``nonfinite``: 0/1, or a device tensor, read without a sync here)

@@ -42,6 +42,19 @@ def test_warm_up_changes_k_with_the_step():
     assert ks[0] == 0 or ks[0] > ks[1] > ks[2]  # dense (or nearly) first, then fewer entries
 
 
+def test_a_steady_bucket_plans_once_and_the_warm_up_still_moves_k():
+    """plan_bucket hands back the same plan while its inputs stay the same (a bucket in steady state), and a
+    step inside the warm-up, another configuration, world size or membership still gets its own plan."""
+    config = TopKConfig(ratio=0.01, warmup_steps=10, min_numel=0)
+    assert plan(config, step=12) is plan(config, step=50) is plan(config, step=10)
+    assert plan(config, step=3) is not plan(config, step=4)
+    assert [m.plan.k for m in plan(config, step=3).members] != [m.plan.k for m in plan(config, step=4).members]
+    assert plan(TopKConfig(ratio=0.01), step=5) is plan(TopKConfig(ratio=0.01), step=0)  # no warm-up: one plan
+    assert plan(TopKConfig(ratio=0.01)) is not plan(TopKConfig(ratio=0.02))
+    assert plan(world_size=2) is not plan(world_size=4)
+    assert [m.name for m in plan(members=MEMBERS[:2]).members] == ["fc2.weight", "fc2.bias"]
+
+
 def test_names_are_deterministic_and_tell_buckets_apart():
     a, b = plan(), plan(members=MEMBERS[::-1])
     assert a.name == plan().name and a.name != b.name
