@@ -137,19 +137,17 @@ class GroupSelection:
         """How many selections ran as a replayed CUDA graph (group_graphs)."""
         return sum(g.graphs.replays for g in self._groups.values())
 
-    def select(self, members: Sequence[GroupMember], state: Any) -> SelectedGroup:
+    def select(self, members: Sequence[GroupMember], state: Any, span: Optional[torch.Tensor] = None) -> SelectedGroup:
         """Compensate and select every member of ``members`` at once (each member's record counts its step's
-        non-finite flag and its share of the time, by size)."""
+        non-finite flag and its share of the time, by size). ``span``: one flat view over the members' gradients,
+        where the caller knows they lie back to back (a DDP bucket's plan says so), else found here."""
         kernels = selection.triton_backend().kernels
         found = self._group(members, kernels)
         group, residuals = found.layout, found.residuals
-        for m, start in zip(members, group.starts):
-            if m.residual.data_ptr() != residuals.data_ptr() + 4 * start:  # first step, a loaded or moved residual
-                view = residuals[start:start + m.flat.numel()]
-                view.copy_(m.residual)
-                m.record.residual = m.residual = view
+        found.adopt_residuals(members)
         found.adopt_counts([m.record for m in members])
-        span = _span([m.flat for m in members])
+        if span is None:
+            span = _span([m.flat for m in members])
         device = members[0].flat.device
         started = time.perf_counter()
 
@@ -179,9 +177,25 @@ class _Group:
         self.residuals = residuals
         self.counts = counts
         self._views: List[Optional[torch.Tensor]] = [None] * counts.numel()
+        self._residual_views: List[Optional[torch.Tensor]] = [None] * counts.numel()
         #: This group's selection recorded as CUDA graphs (HOROVOD_TOPK_CUDA_GRAPHS=1), one per set of addresses;
         #: they read this group's layout tables, so they live and die with it.
         self.graphs = group_graphs.GroupGraphs()
+
+    def adopt_residuals(self, members: Sequence[GroupMember]) -> None:
+        """Make each member's residual its view of :attr:`residuals`: a residual that is not (first step, after a
+        load, a move between devices, buckets rebuilt) is copied into its place once and replaced by the view;
+        in steady state this is one identity check per member."""
+        residuals, starts = self.residuals, self.layout.starts
+        for i, m in enumerate(members):
+            if m.residual is self._residual_views[i]:
+                continue
+            start = starts[i]
+            if m.residual.data_ptr() != residuals.data_ptr() + 4 * start:
+                view = residuals[start:start + m.flat.numel()]
+                view.copy_(m.residual)
+                m.record.residual = m.residual = view
+            self._residual_views[i] = m.residual
 
     def adopt_counts(self, records: Sequence[Any]) -> None:
         """Point each record's ``nonfinite_steps`` at its element of :attr:`counts`, carrying the count it held (a
@@ -207,7 +221,8 @@ class BucketSelection:
     ``TorchResiduals``. The grouped kernels run where :func:`groupable` allows, else each member's backend."""
 
     def __init__(self, state: Any, items: Sequence[Tuple[str, Any, torch.Tensor, torch.Tensor, int]],
-                 world_size: int, op_name: str, layouts: Optional[Sequence[PayloadLayout]] = None) -> None:
+                 world_size: int, op_name: str, layouts: Optional[Sequence[PayloadLayout]] = None,
+                 span: Optional[torch.Tensor] = None) -> None:
         self.world_size = world_size
         self.members: List[GroupMember] = []
         backends, momentum = [], []
@@ -227,7 +242,7 @@ class BucketSelection:
         self._group: Optional[SelectedGroup] = None
         self._backends = backends
         if groupable(self.members, backends, momentum):
-            self._group = state._group_selection().select(self.members, state)
+            self._group = state._group_selection().select(self.members, state, span)
             self.payload = self._group.payload
             return
         payloads = []

@@ -47,6 +47,7 @@ class BucketStep:
         itemsize = buffer.element_size()
         gathered: List[Tuple[str, Any, torch.Tensor, torch.Tensor, int]] = []
         layouts = []
+        gathered_plan = []
         sparse: List[ExchangeRequest] = []
         for member, shape in zip(plan.members, shapes):
             record = state.registry.record(member.name, tuple(shape))
@@ -68,10 +69,14 @@ class BucketStep:
                 continue
             gathered.append((member.name, record, flat, flat, member.plan.k))
             layouts.append(member.layout)
+            gathered_plan.append(member)
         #: The allgather members selected (torch.bucket_select: the grouped kernels on a GPU), or None.
         self.selection: Optional[BucketSelection] = None
         if gathered:
-            self.selection = BucketSelection(state, gathered, world_size, "average", layouts)
+            # every compressed member takes the allgather and they lie back to back: the kernels read them in place
+            span = (buffer[gathered_plan[0].offset:gathered_plan[-1].end]
+                    if not sparse and plan.compressed_contiguous else None)
+            self.selection = BucketSelection(state, gathered, world_size, "average", layouts, span)
         #: This rank's share of the bucket's allgather (uint8), or None when no member takes the allgather.
         self.payload: Optional[torch.Tensor] = self.selection.payload if self.selection is not None else None
         #: The sparse allreduce of the members that take it (its send blocks are ready), or None.

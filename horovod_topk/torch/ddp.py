@@ -97,6 +97,8 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
                                      f"is a {type(p).__name__}")
                 self._given[id(p)] = name
                 self._names[id(p)] = (weakref.ref(p), name)
+        #: Bucket index -> (buffer address, size, storage, members, shapes): bucket_members' reading of each buffer.
+        self._layouts: Dict[int, Tuple[int, int, Any, List[Tuple[str, int]], List[Tuple[int, ...]]]] = {}
         #: Member lists (bucket plans' names) whose ranks' agreement was checked since creation or the last load.
         self._verified: set = set()
         #: Buckets reduced, those that carried compressed members, and those whose allgather members were
@@ -122,8 +124,26 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
 
     def bucket_members(self, bucket: dist.GradBucket) -> Tuple[List[Tuple[str, int]], List[Tuple[int, ...]]]:
         """(name, numel) and shape of every gradient in ``bucket``, in buffer order; checks that the gradients lie
-        end to end in the bucket's buffer (how DDP lays them out), since the plan addresses them by offset."""
+        end to end in the bucket's buffer (how DDP lays them out), since the plan addresses them by offset.
+
+        Read once per bucket buffer: DDP fills a buffer with the same gradients every step and allocates new
+        buffers when it rebuilds its buckets. The cache holds each buffer's storage, so no new buffer can take an
+        old one's address while its entry lives: the same index and address is the same buffer."""
         buffer = bucket.buffer()
+        index = bucket.index()
+        layouts = self.__dict__.setdefault("_layouts", {})  # (a state unpickled from before the cache existed)
+        cached = layouts.get(index)
+        if cached is not None and cached[0] == buffer.data_ptr() and cached[1] == buffer.numel():
+            return cached[3], cached[4]
+        members, shapes = self._read_members(bucket, buffer)
+        layouts[index] = (buffer.data_ptr(), buffer.numel(), buffer.untyped_storage(), members, shapes)
+        if bucket.is_last():  # buckets rebuilt into fewer: drop the rest, and the old buffers they hold
+            for stale in [i for i in layouts if i > index]:
+                del layouts[stale]
+        return members, shapes
+
+    def _read_members(self, bucket: dist.GradBucket,
+                      buffer: torch.Tensor) -> Tuple[List[Tuple[str, int]], List[Tuple[int, ...]]]:
         members, shapes, offset = [], [], 0
         itemsize = buffer.element_size()
         for parameter, grad in zip(bucket.parameters(), bucket.gradients()):
@@ -171,6 +191,7 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         state["_names"] = {}
         state["_given"] = None
         state["_verified"] = set()
+        state["_layouts"] = {}
         return state
 
 
