@@ -80,8 +80,11 @@ class SelectedGroup:
     averaged gradients."""
 
     def __init__(self, group: Any, members: Sequence[GroupMember], payload: torch.Tensor,
-                 span: Optional[torch.Tensor]) -> None:
+                 span: Optional[torch.Tensor], key: Tuple = (), found: Optional["_Group"] = None) -> None:
         self.group = group
+        #: The GroupSelection's key and entry this selection ran in (a steady bucket runs in them again).
+        self.key = key
+        self.found = found
         self.members = list(members)
         #: The members' payloads back to back (uint8), this rank's share of the bucket's allgather.
         self.payload = payload
@@ -109,14 +112,14 @@ class GroupSelection:
         #: (member names, numels, layouts, device) -> the group's layout, residual buffer and non-finite counts
         self._groups: "OrderedDict[Tuple, _Group]" = OrderedDict()
 
-    def _group(self, members: Sequence[GroupMember], kernels: Any) -> "_Group":
+    def _group(self, members: Sequence[GroupMember], kernels: Any) -> Tuple[Tuple, "_Group"]:
         device = members[0].flat.device
         key = (tuple(m.name for m in members), tuple(m.flat.numel() for m in members),
                tuple(m.layout for m in members), device)
         found = self._groups.get(key)
         if found is not None:
             self._groups.move_to_end(key)
-            return found
+            return key, found
         layout = kernels.GroupLayout(key[1], key[2], device)
         # buckets rebuilt (DDP does after its first iteration): groups holding any of these members under another
         # membership are stale; their members adopt the new buffer below
@@ -131,7 +134,11 @@ class GroupSelection:
                                                                        device=device))
         while len(self._groups) > _LAYOUTS_KEPT:
             self._groups.popitem(last=False)
-        return group
+        return key, group
+
+    def holds(self, key: Tuple, found: "_Group") -> bool:
+        """Whether ``found`` is still this selection's entry for ``key`` (not evicted, not replaced)."""
+        return self._groups.get(key) is found
 
     def replays(self) -> int:
         """How many selections ran as a replayed CUDA graph (group_graphs)."""
@@ -142,11 +149,18 @@ class GroupSelection:
         non-finite flag and its share of the time, by size). ``span``: one flat view over the members' gradients,
         where the caller knows they lie back to back (a DDP bucket's plan says so), else found here."""
         kernels = selection.triton_backend().kernels
-        found = self._group(members, kernels)
+        key, found = self._group(members, kernels)
+        return self.select_in(key, found, members, state, span, kernels)
+
+    def select_in(self, key: Tuple, found: "_Group", members: Sequence[GroupMember], state: Any,
+                  span: Optional[torch.Tensor], kernels: Any = None, find_span: bool = True) -> SelectedGroup:
+        """:meth:`select` in the group entry already found for ``members`` (a steady bucket keeps it, and knows
+        whether they lie back to back: ``find_span`` False)."""
+        kernels = kernels if kernels is not None else selection.triton_backend().kernels
         group, residuals = found.layout, found.residuals
         found.adopt_residuals(members)
         found.adopt_counts([m.record for m in members])
-        if span is None:
+        if span is None and find_span:
             span = _span([m.flat for m in members])
         device = members[0].flat.device
         started = time.perf_counter()
@@ -159,12 +173,13 @@ class GroupSelection:
 
         with selection.on_device(device):
             if group_graphs.enabled(device):
-                addresses = (residuals.data_ptr(), *(m.flat.data_ptr() for m in members))
+                addresses = ((residuals.data_ptr(), span.data_ptr()) if span is not None else
+                             (residuals.data_ptr(), *(m.flat.data_ptr() for m in members)))
                 (payload,) = found.graphs.run(addresses, work, device)
             else:
                 (payload,) = work()
         state._selected_group([m.record for m in members], group.numels, time.perf_counter() - started)
-        return SelectedGroup(group, members, payload, span)
+        return SelectedGroup(group, members, payload, span, key, found)
 
 
 class _Group:
@@ -258,6 +273,11 @@ class BucketSelection:
     def grouped(self) -> bool:
         return self._group is not None
 
+    def steady_part(self) -> "SteadySelection":
+        """What a later step of the same bucket needs to run this grouped selection again (torch.steady_bucket)."""
+        assert self._group is not None
+        return SteadySelection(self)
+
     def finish(self, rows: torch.Tensor, scale: float) -> None:
         """Each member's sum of the P ranks' entries times ``scale``, written over its gradient; ``rows`` is the
         gathered buffer as P rows of this rank's :attr:`payload` size."""
@@ -270,3 +290,29 @@ class BucketSelection:
             decompress_tensor(backend, rows[:, start:end].contiguous().view(-1), self.world_size, m.layout,
                               m.wire_dtype, scale, m.flat)
             start = end
+
+
+class SteadySelection:
+    """A grouped BucketSelection kept for the next steps of its bucket: its members (gradient views, residual
+    views, layouts), group entry and span. :meth:`still_valid` checks by identity that none of them was replaced
+    (a load, a move, a regrouping); :meth:`run` selects again without rebuilding any of it."""
+
+    def __init__(self, done: BucketSelection) -> None:
+        assert done._group is not None
+        self.members = done.members
+        self.world_size = done.world_size
+        self._backends = done._backends
+        self._key, self._found, self._span = done._group.key, done._group.found, done._group.span
+
+    def still_valid(self, state: Any) -> bool:
+        if not state._group_selection().holds(self._key, self._found):
+            return False
+        return all(m.record.residual is m.residual for m in self.members)
+
+    def run(self, state: Any) -> BucketSelection:
+        done = BucketSelection.__new__(BucketSelection)
+        done.world_size, done.members, done._backends = self.world_size, self.members, self._backends
+        done._group = state._group_selection().select_in(self._key, self._found, self.members, state, self._span,
+                                                         find_span=False)
+        done.payload = done._group.payload
+        return done

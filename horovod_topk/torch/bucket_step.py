@@ -13,7 +13,7 @@ and are averaged by one allreduce.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +23,7 @@ from ..core.pending import reduction_scale
 from .exchange import ExchangeRequest
 from .bucket_select import BucketSelection
 from .sparse_allreduce import SparseRounds
+from .steady_bucket import SteadyBucket, kept
 
 __all__ = ["BucketStep"]
 
@@ -36,14 +37,40 @@ class BucketStep:
         buffer (torch.Tensor): the bucket's flat gradients; the averaged gradients are written over it.
         shapes: each member's shape, in plan order (the records keep them, so checkpoints show them).
         world_size (int): ranks that average the bucket.
+        slot (dict, optional): where this bucket buffer's steps keep what the next can reuse
+            (torch.steady_bucket; the DDP hook gives one per buffer), or None.
     """
 
     def __init__(self, state: Any, plan: BucketPlan, buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
-                 world_size: int) -> None:
+                 world_size: int, slot: Optional[Dict[str, Any]] = None) -> None:
         self.plan = plan
         self.buffer = buffer
         self.world_size = world_size
         self.scale = reduction_scale("average", 1.0, 1.0, world_size)
+        #: The allgather members selected (torch.bucket_select: the grouped kernels on a GPU), or None.
+        self.selection: Optional[BucketSelection] = None
+        #: This rank's share of the bucket's allgather (uint8), or None when no member takes the allgather.
+        self.payload: Optional[torch.Tensor] = None
+        #: The sparse allreduce of the members that take it (its send blocks are ready), or None.
+        self.sparse: Optional[SparseRounds] = None
+        #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
+        #: itself, in place, when every member is dense: DDP's own allreduce, bit for bit), or None.
+        self.dense: Optional[torch.Tensor] = None
+        steady = kept(slot, state, plan, buffer, world_size)
+        if steady is not None:  # the same bucket as last step in every respect: its kept work, not member by member
+            self.selection = steady.run(state, buffer)
+            self.payload = self.selection.payload
+            self.dense = torch.cat(steady.dense_views).div_(world_size) if steady.dense_views else None
+            return
+        self._full_step(state, plan, buffer, shapes, world_size)
+        if slot is not None:  # what a later step of this bucket can reuse (torch.steady_bucket), or nothing
+            slot.pop("steady", None)
+            if SteadyBucket.applies(state, plan, self.sparse is not None, self.selection):
+                slot["steady"] = SteadyBucket(state, plan, buffer, world_size, self.selection)
+
+    def _full_step(self, state: Any, plan: BucketPlan, buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
+                   world_size: int) -> None:
+        """Every member worked out from its record: its counters, spike guard, route, residual and layout."""
         itemsize = buffer.element_size()
         gathered: List[Tuple[str, Any, torch.Tensor, torch.Tensor, int]] = []
         layouts = []
@@ -70,20 +97,13 @@ class BucketStep:
             gathered.append((member.name, record, flat, flat, member.plan.k))
             layouts.append(member.layout)
             gathered_plan.append(member)
-        #: The allgather members selected (torch.bucket_select: the grouped kernels on a GPU), or None.
-        self.selection: Optional[BucketSelection] = None
         if gathered:
             # every compressed member takes the allgather and they lie back to back: the kernels read them in place
             span = (buffer[gathered_plan[0].offset:gathered_plan[-1].end]
                     if not sparse and plan.compressed_contiguous else None)
             self.selection = BucketSelection(state, gathered, world_size, "average", layouts, span)
-        #: This rank's share of the bucket's allgather (uint8), or None when no member takes the allgather.
-        self.payload: Optional[torch.Tensor] = self.selection.payload if self.selection is not None else None
-        #: The sparse allreduce of the members that take it (its send blocks are ready), or None.
-        self.sparse: Optional[SparseRounds] = SparseRounds(sparse) if sparse else None
-        #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
-        #: itself, in place, when every member is dense: DDP's own allreduce, bit for bit), or None.
-        self.dense: Optional[torch.Tensor] = None
+        self.payload = self.selection.payload if self.selection is not None else None
+        self.sparse = SparseRounds(sparse) if sparse else None
         dense = plan.dense
         if len(dense) == len(plan.members):
             self.dense = buffer.div_(world_size)

@@ -97,8 +97,10 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
                                      f"is a {type(p).__name__}")
                 self._given[id(p)] = name
                 self._names[id(p)] = (weakref.ref(p), name)
-        #: Bucket index -> (buffer address, size, storage, members, shapes): bucket_members' reading of each buffer.
-        self._layouts: Dict[int, Tuple[int, int, Any, List[Tuple[str, int]], List[Tuple[int, ...]]]] = {}
+        #: Bucket index -> (buffer address, size, storage, members, shapes, slot): bucket_members' reading of each
+        #: buffer, and the slot where its steps keep what the next steps reuse (bucket_slot).
+        self._layouts: Dict[int, Tuple[int, int, Any, List[Tuple[str, int]], List[Tuple[int, ...]],
+                                       Dict[str, Any]]] = {}
         #: Member lists (bucket plans' names) whose ranks' agreement was checked since creation or the last load.
         self._verified: set = set()
         #: Buckets reduced, those that carried compressed members, and those whose allgather members were
@@ -136,11 +138,17 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         if cached is not None and cached[0] == buffer.data_ptr() and cached[1] == buffer.numel():
             return cached[3], cached[4]
         members, shapes = self._read_members(bucket, buffer)
-        layouts[index] = (buffer.data_ptr(), buffer.numel(), buffer.untyped_storage(), members, shapes)
+        layouts[index] = (buffer.data_ptr(), buffer.numel(), buffer.untyped_storage(), members, shapes, {})
         if bucket.is_last():  # buckets rebuilt into fewer: drop the rest, and the old buffers they hold
             for stale in [i for i in layouts if i > index]:
                 del layouts[stale]
         return members, shapes
+
+    def bucket_slot(self, bucket: dist.GradBucket) -> Optional[Dict[str, Any]]:
+        """Where a bucket buffer's step keeps what its next steps can reuse (torch.steady_bucket); it lives and
+        dies with the buffer's entry of :meth:`bucket_members`, which must have been called this step."""
+        cached = self.__dict__.get("_layouts", {}).get(bucket.index())
+        return cached[5] if cached is not None else None
 
     def _read_members(self, bucket: dist.GradBucket,
                       buffer: torch.Tensor) -> Tuple[List[Tuple[str, int]], List[Tuple[int, ...]]]:
@@ -240,7 +248,7 @@ def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any) -> torch.fu
         state._verified.add(plan.name)
     record = state.registry.records.get(plan.members[0].name)
     state._report_if_due(record.steps if record is not None else 0, dist.get_rank(group))
-    return launch(state, BucketStep(state, plan, buffer, shapes, world_size), group)
+    return launch(state, BucketStep(state, plan, buffer, shapes, world_size, state.bucket_slot(bucket)), group)
 
 
 def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Future[torch.Tensor]:
@@ -271,11 +279,12 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
         futures.append(dist.all_reduce(step.dense, group=group, async_op=True).get_future())
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
-        for fut in done.value():
+        for fut in done.value() if len(futures) > 1 else [done]:
             fut.value()  # raises the collective's error, if any
         return step.finish(gathered, step.dense, owners)
 
-    return torch.futures.collect_all(futures).then(finish)
+    # one collective (the usual bucket: its allgather alone) needs no gathering of futures
+    return (futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)).then(finish)
 
 
 # ---- checkpoints of every rank -------------------------------------------------------------------------------

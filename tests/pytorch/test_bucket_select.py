@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from .test_triton_select import DEVICE  # noqa: F401  (sets TRITON_INTERPRET=1 before Triton is imported)
-from horovod_topk.torch import bucket_select  # noqa: E402
+from horovod_topk.torch import bucket_select, steady_bucket  # noqa: E402
 from horovod_topk.torch.bucket_step import BucketStep  # noqa: E402
 from horovod_topk.torch.ddp import TopKEFState  # noqa: E402
 
@@ -20,15 +20,17 @@ ADJACENT = [("w1", 3000), ("w2", 5000), ("w3", 2000)]
 
 
 def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=None, rebuild_at=None,
-         fixed=False):
+         fixed=False, steady=False):
     """``steps`` steps of two ranks; returns per step the payloads, the residuals and the averaged buffers.
-    ``fixed``: each rank's gradients arrive in the same buffer every step (as DDP's bucket buffers do)."""
+    ``fixed``: each rank's gradients arrive in the same buffer every step (as DDP's bucket buffers do);
+    ``steady``: each buffer has a slot where its steps keep what the next can reuse (as the DDP hook gives)."""
     monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
     if not grouped:
         monkeypatch.setattr(bucket_select, "groupable", lambda *args: False)
     states = [TopKEFState(**options) for _ in range(WORLD)]
     gen = torch.Generator().manual_seed(0)
     fixed_buffers = {}
+    slots = {}
     history = []
     for step in range(steps):
         layout = members if rebuild_at is None or step < rebuild_at else list(reversed(members))
@@ -43,9 +45,10 @@ def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=N
             for s in states:
                 s.load_state_dict(s.state_dict())
         work = []
-        for state, buffer in zip(states, buffers):
+        for rank, (state, buffer) in enumerate(zip(states, buffers)):
             plan = state.plan(layout, buffer, WORLD)
-            work.append(BucketStep(state, plan, buffer, [(n,) for _, n in layout], WORLD))
+            slot = slots.setdefault((rank, buffer.data_ptr()), {}) if steady else None
+            work.append(BucketStep(state, plan, buffer, [(n,) for _, n in layout], WORLD, slot))
         assert all(w.selection is not None and w.selection.grouped == grouped for w in work)
         gathered = torch.cat([w.payload for w in work])
         dense = sum(w.dense for w in work) if work[0].dense is not None else None
@@ -54,6 +57,13 @@ def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=N
                       if s.registry.records[name].residual is not None} for s in states]
         history.append((gathered.clone(), residuals, [o.clone() for o in outputs]))
     return history, states
+
+
+def _count_steady_runs(monkeypatch):
+    runs = []
+    original = steady_bucket.SteadyBucket.run
+    monkeypatch.setattr(steady_bucket.SteadyBucket, "run", lambda self, *a: runs.append(1) or original(self, *a))
+    return runs
 
 
 def _assert_same(a, b):
@@ -108,6 +118,25 @@ def test_a_load_and_rebuilt_buckets_keep_every_residual(monkeypatch):
     assert type(saved) is int and saved == 1
 
 
+@pytest.mark.parametrize("members", [SPLIT, ADJACENT], ids=["dense-member-between", "back-to-back"])
+def test_a_steady_bucket_repeats_the_full_step(members, monkeypatch):
+    """A bucket whose plan, buffer, records and residuals did not change reuses its last step's work
+    (torch.steady_bucket): the same payloads, residuals, averages and counts as member-by-member selection,
+    through a NaN, a load (records replaced: the full step again) and rebuilt buckets."""
+    runs = _count_steady_runs(monkeypatch)
+    kept, states = _run(members, True, monkeypatch, {"ratio": 0.02}, steps=8, nan_at=2, load_at=4, rebuild_at=6,
+                        fixed=True, steady=True)
+    assert len(runs) == 2 * 5  # both ranks at steps 1, 2, 3, 5 (not 4: the load) and 7 (not 6: the rebuild)
+    alone, alone_states = _run(members, False, monkeypatch, {"ratio": 0.02}, steps=8, nan_at=2, load_at=4,
+                               rebuild_at=6, fixed=True, steady=True)
+    _assert_same(kept, alone)
+    for s, a in zip(states, alone_states):
+        for name, _ in members:
+            mine, theirs = s.registry.records[name], a.registry.records[name]
+            assert (mine.steps, mine.bytes_sent, mine.bytes_dense, int(mine.nonfinite_steps)) == (
+                theirs.steps, theirs.bytes_sent, theirs.bytes_dense, int(theirs.nonfinite_steps))
+
+
 def test_not_grouped_where_the_kernels_do_not_apply(monkeypatch):
     """The compact encoding (16-bit indices) is not the grouped kernels' layout: member by member."""
     monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
@@ -151,15 +180,16 @@ def test_a_bucket_step_never_synchronises_the_host(monkeypatch):
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("members", [SPLIT, ADJACENT], ids=["dense-member-between", "back-to-back"])
-def test_cuda_graphs_replay_the_same_steps(members, monkeypatch):
+@pytest.mark.parametrize("steady", [False, True], ids=["full-steps", "steady-buckets"])
+def test_cuda_graphs_replay_the_same_steps(members, steady, monkeypatch):
     """HOROVOD_TOPK_CUDA_GRAPHS=1: each bucket's grouped selection recorded once and replayed; the payloads,
     residuals, averages and non-finite counts are those of member-by-member selection, through a NaN, a load and
     rebuilt buckets."""
     monkeypatch.setenv("HOROVOD_TOPK_CUDA_GRAPHS", "1")
     graphed, states = _run(members, True, monkeypatch, {"ratio": 0.02}, steps=7, nan_at=3, load_at=4,
-                           rebuild_at=5, fixed=True)
+                           rebuild_at=5, fixed=True, steady=steady)
     alone, alone_states = _run(members, False, monkeypatch, {"ratio": 0.02}, steps=7, nan_at=3, load_at=4,
-                               rebuild_at=5, fixed=True)
+                               rebuild_at=5, fixed=True, steady=steady)
     _assert_same(graphed, alone)
     assert all(s._group_selection().replays() > 0 for s in states)
     assert ([[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in states]

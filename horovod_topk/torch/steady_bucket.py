@@ -1,0 +1,81 @@
+"""A DDP bucket's step in steady state: what a full BucketStep works out member by member, kept from its last run
+and checked by identity instead of being worked out again.
+
+Why: on a GPU the training step waits for the host, and the host's time in the hook was mostly Python per member
+(record lookups, buffer slices, residual and layout checks: ~10 us each, hundreds per step for a transformer;
+docs/performance.md, "A bucket in a training step"). In steady state none of it changes between steps: the same plan
+(core memoises it), the same bucket buffer, the same records and residual views. A step that finds all of them
+unchanged only bumps each member's counters and runs the bucket's kernels; anything else (the first steps, a
+warm-up moving k, a load, a world-size change, buckets rebuilt, a member going dense) takes the full path.
+
+Only the plain case is kept: every compressed member takes the allgather and is selected by one grouped run, no
+spike guard and no DGC momentum (they read or change state per member and step).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..core.bucket_plan import BucketPlan
+
+__all__ = ["SteadyBucket"]
+
+
+class SteadyBucket:
+    """What one bucket's full step found, for the next steps of the same plan over the same buffer."""
+
+    def __init__(self, state: Any, plan: BucketPlan, buffer: torch.Tensor, world_size: int, selection: Any) -> None:
+        self.plan = plan
+        self.address = buffer.data_ptr()
+        self.world_size = world_size
+        itemsize = buffer.element_size()
+        records = state.registry.records
+        self.names = [m.name for m in plan.members]
+        self.records = [records[n] for n in self.names]
+        self.dense_nbytes = [m.numel * itemsize for m in plan.members]
+        #: (record, its member plan) of the dense members: their leftovers go out if they ever hold a residual
+        self.dense = [(records[m.name], m) for m in plan.dense]
+        self.selection = selection.steady_part()
+        self.sent = [m.layout.nbytes for m in selection.members]
+        #: The dense members' slices of the buffer (the buffer's cache entry holds its storage, so they stay valid)
+        self.dense_views = [buffer[m.offset:m.end] for m in plan.dense]
+
+    @staticmethod
+    def applies(state: Any, plan: BucketPlan, sparse: bool, selection: Any) -> bool:
+        """Whether a step of ``plan`` may be kept: the plain grouped case (module docstring)."""
+        return (selection is not None and selection.grouped and not sparse and state.config.spike_guard is None
+                and state.config.momentum == 0)
+
+    def matches(self, state: Any, plan: BucketPlan, buffer: torch.Tensor, world_size: int) -> bool:
+        """Whether this step is the kept one's again: same plan object, buffer, world size, records (a load
+        replaces them), residual views (a move replaces them) and group layout (still held)."""
+        if plan is not self.plan or buffer.data_ptr() != self.address or world_size != self.world_size:
+            return False
+        records = state.registry.records
+        for name, record in zip(self.names, self.records):
+            if records.get(name) is not record:
+                return False
+        return self.selection.still_valid(state)
+
+    def run(self, state: Any, buffer: torch.Tensor) -> Any:
+        """The step's bookkeeping and selection; returns the bucket's BucketSelection."""
+        for record, nbytes in zip(self.records, self.dense_nbytes):
+            record.steps += 1
+            record.bytes_dense += nbytes
+        for record, member in self.dense:
+            record.bytes_sent += member.numel * buffer.element_size()
+            if record.residual is not None:  # leftovers from compressed steps go out with the dense gradient
+                state._send_leftovers(record, buffer[member.offset:member.end])
+        for m, nbytes in zip(self.selection.members, self.sent):
+            m.record.bytes_sent += nbytes
+        return self.selection.run(state)
+
+
+def kept(slot: Optional[dict], state: Any, plan: BucketPlan, buffer: torch.Tensor,
+         world_size: int) -> Optional[SteadyBucket]:
+    """The SteadyBucket in ``slot`` (a bucket buffer's cache entry) if it matches this step, else None."""
+    if slot is None:
+        return None
+    found = slot.get("steady")
+    return found if found is not None and found.matches(state, plan, buffer, world_size) else None
