@@ -5,6 +5,7 @@ collectives cost next to nothing and the difference to DDP's own allreduce is th
 
     python benchmarks/bench_bucket_step.py                                   # CPU: ResNet-50 and GPT-2 small shapes
     python benchmarks/bench_bucket_step.py --device cuda --repeat 50        # GPU: grouped against member by member
+    python benchmarks/bench_bucket_step.py --host-only --models resnet50-25.6M  # the GPU path's host work, on a CPU
 
 Each step: a loss whose backward pass produces every parameter's gradient (sum of parameter x fixed random
 tensor: autograd, DDP's hooks and buckets as in training, with compute that stays small next to the
@@ -222,6 +223,36 @@ def host_syncs(step: Callable[[], None], device: torch.device) -> int:
     return len(syncs)
 
 
+def _kernels_as_no_ops() -> None:
+    """Every tensor takes the Triton backend, whose kernels return an all-zero payload and add nothing back: what
+    is left of a step is the host's own work on the GPU path (planning, bookkeeping, the collective's launch)."""
+    from horovod_topk.torch import selection, state, triton_select
+
+    class Delegating(type):
+        def __getattr__(cls, name: str) -> object:
+            return getattr(triton_select, name)
+
+    class NoOpKernels(metaclass=Delegating):
+        GroupLayout = triton_select.GroupLayout
+
+        @staticmethod
+        def supports(*args: object) -> bool:
+            return True
+
+        @staticmethod
+        def compensate_and_select(grad, residual, group, wire_dtype):
+            return (torch.zeros(group.nbytes, dtype=torch.uint8, device=grad.device),
+                    torch.zeros(len(group.numels), dtype=torch.int64, device=grad.device))
+
+        @staticmethod
+        def accumulate(gathered, group, wire_dtype, scale, out) -> None:
+            return None
+
+    backend = selection.TritonBackend(NoOpKernels)
+    selection.triton_backend = lambda: backend
+    state.TorchResiduals._backend = lambda self, tensor: backend
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["resnet50-25.6M", "gpt2-small-124M"], choices=sorted(MODELS))
@@ -235,7 +266,16 @@ def main() -> None:
                              "alone: forward and backward in every step, so backward's compute can hide the work")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the timing, profile the host's work in this many topk steps (cProfile)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="CPU: run the GPU path's Python (grouped selection, DDP glue) with its kernels replaced "
+                             "by no-ops, so the hook's host time is what a GPU step would spend launching. Meaningful "
+                             "where a bucket's compressed members lie back to back (ResNet-50's shapes); GPT-2's "
+                             "buckets gather theirs first, a memory pass here that is a device copy on a GPU")
     args = parser.parse_args()
+    if args.host_only:
+        if args.device != "cpu" or args.real_batch:
+            parser.error("--host-only runs the layer shapes on the CPU")
+        _kernels_as_no_ops()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
