@@ -12,6 +12,7 @@ Pure functions and frozen dataclasses; standard library only.
 """
 from __future__ import annotations
 
+import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -111,6 +112,7 @@ class BucketPlan:
 #: plan_bucket's recent results: a model's buckets in steady state (after any warm-up) plan the same every step.
 _PLANS: "OrderedDict[tuple, BucketPlan]" = OrderedDict()
 _PLANS_KEPT = 256
+_PLANS_LOCK = threading.Lock()
 
 
 def plan_bucket(
@@ -136,15 +138,17 @@ def plan_bucket(
     # the step matters only inside the sparsity warm-up (core.policy.warmup_ratio)
     phase = min(step, config.warmup_steps) if config is not None else 0
     key = (tuple(members), config, is_floating, world_size, phase, value_itemsize, grad_itemsize, sparse_available)
-    found = _PLANS.get(key)
-    if found is not None:
-        _PLANS.move_to_end(key)
-        return found
+    with _PLANS_LOCK:  # hooks of several models may plan from several threads
+        found = _PLANS.get(key)
+        if found is not None:
+            _PLANS.move_to_end(key)
+            return found
     plan = _plan_bucket(members, config, is_floating=is_floating, world_size=world_size, step=step,
                         value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
-    _PLANS[key] = plan
-    while len(_PLANS) > _PLANS_KEPT:
-        _PLANS.popitem(last=False)
+    with _PLANS_LOCK:
+        plan = _PLANS.setdefault(key, plan)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
     return plan
 
 

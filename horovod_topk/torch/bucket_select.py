@@ -273,10 +273,11 @@ class BucketSelection:
     def grouped(self) -> bool:
         return self._group is not None
 
-    def steady_part(self) -> "SteadySelection":
-        """What a later step of the same bucket needs to run this grouped selection again (torch.steady_bucket)."""
+    def steady_part(self, plan: Any) -> "SteadySelection":
+        """What a later step of the same bucket (``plan``: core's BucketPlan, whose members these are) needs to run
+        this grouped selection again (torch.steady_bucket)."""
         assert self._group is not None
-        return SteadySelection(self)
+        return SteadySelection(self, plan)
 
     def finish(self, rows: torch.Tensor, scale: float) -> None:
         """Each member's sum of the P ranks' entries times ``scale``, written over its gradient; ``rows`` is the
@@ -293,26 +294,35 @@ class BucketSelection:
 
 
 class SteadySelection:
-    """A grouped BucketSelection kept for the next steps of its bucket: its members (gradient views, residual
-    views, layouts), group entry and span. :meth:`still_valid` checks by identity that none of them was replaced
-    (a load, a move, a regrouping); :meth:`run` selects again without rebuilding any of it."""
+    """A grouped BucketSelection kept for the next steps of its bucket: its members' records, residual views,
+    layouts and places in the bucket's buffer, its group entry, and whether the members lie back to back.
+    :meth:`still_valid` checks by identity that none of them was replaced (a load, a move, a regrouping); :meth:`run`
+    selects again over this step's buffer without working any of it out again. It keeps no view of the buffer, so
+    a buffer DDP replaced is freed at once."""
 
-    def __init__(self, done: BucketSelection) -> None:
+    def __init__(self, done: BucketSelection, plan: Any) -> None:
         assert done._group is not None
-        self.members = done.members
+        where = {m.name: (m.offset, m.end) for m in plan.members}
+        self.records = [m.record for m in done.members]
+        self._members = [(m.name, m.record, where[m.name], m.residual, m.layout, m.wire_dtype) for m in done.members]
         self.world_size = done.world_size
         self._backends = done._backends
-        self._key, self._found, self._span = done._group.key, done._group.found, done._group.span
+        self._key, self._found = done._group.key, done._group.found
+        span = done._group.span
+        self._span = (where[done.members[0].name][0], where[done.members[-1].name][1]) if span is not None else None
 
     def still_valid(self, state: Any) -> bool:
         if not state._group_selection().holds(self._key, self._found):
             return False
-        return all(m.record.residual is m.residual for m in self.members)
+        return all(record.residual is residual for _, record, _, residual, _, _ in self._members)
 
-    def run(self, state: Any) -> BucketSelection:
+    def run(self, state: Any, buffer: torch.Tensor) -> BucketSelection:
         done = BucketSelection.__new__(BucketSelection)
-        done.world_size, done.members, done._backends = self.world_size, self.members, self._backends
-        done._group = state._group_selection().select_in(self._key, self._found, self.members, state, self._span,
+        done.world_size, done._backends = self.world_size, self._backends
+        done.members = [GroupMember(name, record, buffer[a:b], residual, layout, wire)
+                        for name, record, (a, b), residual, layout, wire in self._members]
+        span = buffer[self._span[0]:self._span[1]] if self._span is not None else None
+        done._group = state._group_selection().select_in(self._key, self._found, done.members, state, span,
                                                          find_span=False)
         done.payload = done._group.payload
         return done

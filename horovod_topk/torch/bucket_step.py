@@ -60,7 +60,7 @@ class BucketStep:
         if steady is not None:  # the same bucket as last step in every respect: its kept work, not member by member
             self.selection = steady.run(state, buffer)
             self.payload = self.selection.payload
-            self.dense = torch.cat(steady.dense_views).div_(world_size) if steady.dense_views else None
+            self.dense = torch.cat(steady.dense_views(buffer)).div_(world_size) if steady.dense_ranges else None
             return
         self._full_step(state, plan, buffer, shapes, world_size)
         if slot is not None:  # what a later step of this bucket can reuse (torch.steady_bucket), or nothing

@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..core import CompressorState, RankMismatch, mismatch_message
 from ..core import checkpoint as core_checkpoint
@@ -97,8 +98,8 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
                                      f"is a {type(p).__name__}")
                 self._given[id(p)] = name
                 self._names[id(p)] = (weakref.ref(p), name)
-        #: Bucket index -> (buffer address, size, storage, members, shapes, slot): bucket_members' reading of each
-        #: buffer, and the slot where its steps keep what the next steps reuse (bucket_slot).
+        #: Bucket index -> (buffer address, size, weak reference to its storage, members, shapes, slot):
+        #: bucket_members' reading of each buffer, and the slot where its steps keep what the next reuse.
         self._layouts: Dict[int, Tuple[int, int, Any, List[Tuple[str, int]], List[Tuple[int, ...]],
                                        Dict[str, Any]]] = {}
         #: Member lists (bucket plans' names) whose ranks' agreement was checked since creation or the last load.
@@ -129,17 +130,20 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         end to end in the bucket's buffer (how DDP lays them out), since the plan addresses them by offset.
 
         Read once per bucket buffer: DDP fills a buffer with the same gradients every step and allocates new
-        buffers when it rebuilds its buckets. The cache holds each buffer's storage, so no new buffer can take an
-        old one's address while its entry lives: the same index and address is the same buffer."""
+        buffers when it rebuilds its buckets. The cache keeps a weak reference to each buffer's storage, so it
+        holds no memory, and an entry counts only while that storage lives: a new buffer at a freed one's address
+        is read afresh."""
         buffer = bucket.buffer()
         index = bucket.index()
         layouts = self.__dict__.setdefault("_layouts", {})  # (a state unpickled from before the cache existed)
         cached = layouts.get(index)
-        if cached is not None and cached[0] == buffer.data_ptr() and cached[1] == buffer.numel():
+        if (cached is not None and cached[0] == buffer.data_ptr() and cached[1] == buffer.numel()
+                and not cached[2].expired()):
             return cached[3], cached[4]
         members, shapes = self._read_members(bucket, buffer)
-        layouts[index] = (buffer.data_ptr(), buffer.numel(), buffer.untyped_storage(), members, shapes, {})
-        if bucket.is_last():  # buckets rebuilt into fewer: drop the rest, and the old buffers they hold
+        layouts[index] = (buffer.data_ptr(), buffer.numel(), StorageWeakRef(buffer.untyped_storage()), members, shapes,
+                          {})
+        if bucket.is_last():  # buckets rebuilt into fewer: drop the rest
             for stale in [i for i in layouts if i > index]:
                 del layouts[stale]
         return members, shapes
@@ -200,6 +204,9 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         state["_given"] = None
         state["_verified"] = set()
         state["_layouts"] = {}
+        # the grouped selection's buffers: the records' residuals are views of them, a sharing plain pickle does not
+        # keep; without it the first step copies every residual into a new buffer again (torch.bucket_select)
+        state.pop("_grouped_selection", None)
         return state
 
 
@@ -279,12 +286,15 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
         futures.append(dist.all_reduce(step.dense, group=group, async_op=True).get_future())
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
-        for fut in done.value() if len(futures) > 1 else [done]:
-            fut.value()  # raises the collective's error, if any
+        # wait(), not value(): on CUDA it also makes this stream wait for each collective's work (collect_all's
+        # own future carries no devices), and raises the collective's error, if any
+        for fut in done.value():
+            fut.wait()
         return step.finish(gathered, step.dense, owners)
 
-    # one collective (the usual bucket: its allgather alone) needs no gathering of futures
-    return (futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)).then(finish)
+    # collect_all even for one collective: its callback runs on the hook's stream, where this step's tensors were
+    # made (a collective's own future would run it on a pool stream the step's temporaries are not recorded on)
+    return torch.futures.collect_all(futures).then(finish)
 
 
 # ---- checkpoints of every rank -------------------------------------------------------------------------------

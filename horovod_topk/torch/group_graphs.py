@@ -59,6 +59,9 @@ class GroupGraphs:
             self.replays += 1
             return outputs
         seen = self._seen.get(key, 0)
+        if len(self._seen) > 4 * self._KEPT:  # addresses that never came back (gradients in new buffers each step)
+            self._seen.clear()
+            self._failed.clear()
         self._seen[key] = seen + 1
         if seen == 0 or key in self._failed:
             return work()

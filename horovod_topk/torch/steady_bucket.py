@@ -36,10 +36,11 @@ class SteadyBucket:
         self.dense_nbytes = [m.numel * itemsize for m in plan.members]
         #: (record, its member plan) of the dense members: their leftovers go out if they ever hold a residual
         self.dense = [(records[m.name], m) for m in plan.dense]
-        self.selection = selection.steady_part()
+        self.selection = selection.steady_part(plan)
         self.sent = [m.layout.nbytes for m in selection.members]
-        #: The dense members' slices of the buffer (the buffer's cache entry holds its storage, so they stay valid)
-        self.dense_views = [buffer[m.offset:m.end] for m in plan.dense]
+        #: Where the dense members lie in the buffer. Nothing here holds the buffer itself: its views are made
+        #: again each step, so a buffer DDP has replaced is freed at once.
+        self.dense_ranges = [(m.offset, m.end) for m in plan.dense]
 
     @staticmethod
     def applies(state: Any, plan: BucketPlan, sparse: bool, selection: Any) -> bool:
@@ -67,9 +68,13 @@ class SteadyBucket:
             record.bytes_sent += member.numel * buffer.element_size()
             if record.residual is not None:  # leftovers from compressed steps go out with the dense gradient
                 state._send_leftovers(record, buffer[member.offset:member.end])
-        for m, nbytes in zip(self.selection.members, self.sent):
-            m.record.bytes_sent += nbytes
-        return self.selection.run(state)
+        for record, nbytes in zip(self.selection.records, self.sent):
+            record.bytes_sent += nbytes
+        return self.selection.run(state, buffer)
+
+    def dense_views(self, buffer: torch.Tensor) -> list:
+        """The dense members' slices of ``buffer``, in plan order."""
+        return [buffer[a:b] for a, b in self.dense_ranges]
 
 
 def kept(slot: Optional[dict], state: Any, plan: BucketPlan, buffer: torch.Tensor,

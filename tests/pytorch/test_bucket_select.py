@@ -5,6 +5,8 @@ step after step, through a NaN, a checkpoint load and rebuilt buckets.
 Two ranks are simulated in one process (each its own TopKEFState; their payloads concatenated as the allgather
 would). Without a GPU the kernels run under Triton's interpreter, as in test_triton_select; on a GPU machine
 (scripts/gpu_check.sh) on CUDA."""
+import pickle
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ ADJACENT = [("w1", 3000), ("w2", 5000), ("w3", 2000)]
 
 
 def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=None, rebuild_at=None,
-         fixed=False, steady=False):
+         fixed=False, steady=False, pickle_at=None):
     """``steps`` steps of two ranks; returns per step the payloads, the residuals and the averaged buffers.
     ``fixed``: each rank's gradients arrive in the same buffer every step (as DDP's bucket buffers do);
     ``steady``: each buffer has a slot where its steps keep what the next can reuse (as the DDP hook gives)."""
@@ -44,6 +46,8 @@ def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=N
         if step == load_at:
             for s in states:
                 s.load_state_dict(s.state_dict())
+        if step == pickle_at:  # the whole state through plain pickle (torch.save keeps storage sharing; pickle not)
+            states = [pickle.loads(pickle.dumps(s)) for s in states]
         work = []
         for rank, (state, buffer) in enumerate(zip(states, buffers)):
             plan = state.plan(layout, buffer, WORLD)
@@ -135,6 +139,18 @@ def test_a_steady_bucket_repeats_the_full_step(members, monkeypatch):
             mine, theirs = s.registry.records[name], a.registry.records[name]
             assert (mine.steps, mine.bytes_sent, mine.bytes_dense, int(mine.nonfinite_steps)) == (
                 theirs.steps, theirs.bytes_sent, theirs.bytes_dense, int(theirs.nonfinite_steps))
+
+
+def test_a_pickled_state_goes_on_exactly(monkeypatch):
+    """A state pickled and unpickled between steps: its records' residuals and counts, once views of the grouped
+    buffers, arrive as copies; the next grouped step takes them back into new buffers and nothing is lost."""
+    grouped, states = _run(SPLIT, True, monkeypatch, {"ratio": 0.02}, steps=6, nan_at=1, pickle_at=3, fixed=True,
+                           steady=True)
+    alone, alone_states = _run(SPLIT, False, monkeypatch, {"ratio": 0.02}, steps=6, nan_at=1, pickle_at=3,
+                               fixed=True, steady=True)
+    _assert_same(grouped, alone)
+    assert ([[int(s.registry.records[n].nonfinite_steps) for n, _ in SPLIT] for s in states]
+            == [[int(s.registry.records[n].nonfinite_steps) for n, _ in SPLIT] for s in alone_states])
 
 
 def test_not_grouped_where_the_kernels_do_not_apply(monkeypatch):
