@@ -33,14 +33,15 @@ class SteadyBucket:
         records = state.registry.records
         self.names = [m.name for m in plan.members]
         self.records = [records[n] for n in self.names]
-        self.dense_nbytes = [m.numel * itemsize for m in plan.members]
-        #: (record, its member plan) of the dense members: their leftovers go out if they ever hold a residual
-        self.dense = [(records[m.name], m) for m in plan.dense]
-        self.selection = selection.steady_part(plan)
-        self.sent = [m.layout.nbytes for m in selection.members]
+        #: Each member's gradient bytes (what it would send dense), in plan order.
+        self.member_nbytes = [m.numel * itemsize for m in plan.members]
         #: Where the dense members lie in the buffer. Nothing here holds the buffer itself: its views are made
         #: again each step, so a buffer DDP has replaced is freed at once.
         self.dense_ranges = [(m.offset, m.end) for m in plan.dense]
+        #: (record, bytes sent, place) of each dense member: their leftovers go out if they ever hold a residual
+        self.dense = [(records[m.name], m.numel * itemsize, place) for m, place in zip(plan.dense, self.dense_ranges)]
+        self.selection = selection.steady_part(plan)
+        self.sent = [m.layout.nbytes for m in selection.members]
 
     @staticmethod
     def applies(state: Any, plan: BucketPlan, sparse: bool, selection: Any) -> bool:
@@ -61,13 +62,13 @@ class SteadyBucket:
 
     def run(self, state: Any, buffer: torch.Tensor) -> Any:
         """The step's bookkeeping and selection; returns the bucket's BucketSelection."""
-        for record, nbytes in zip(self.records, self.dense_nbytes):
+        for record, nbytes in zip(self.records, self.member_nbytes):
             record.steps += 1
             record.bytes_dense += nbytes
-        for record, member in self.dense:
-            record.bytes_sent += member.numel * buffer.element_size()
+        for record, nbytes, (a, b) in self.dense:
+            record.bytes_sent += nbytes
             if record.residual is not None:  # leftovers from compressed steps go out with the dense gradient
-                state._send_leftovers(record, buffer[member.offset:member.end])
+                state._send_leftovers(record, buffer[a:b])
         for record, nbytes in zip(self.selection.records, self.sent):
             record.bytes_sent += nbytes
         return self.selection.run(state, buffer)
