@@ -286,11 +286,18 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
         futures.append(dist.all_reduce(step.dense, group=group, async_op=True).get_future())
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
+        nonlocal step, gathered, owners
         # wait(), not value(): on CUDA it also makes this stream wait for each collective's work (collect_all's
         # own future carries no devices), and raises the collective's error, if any
-        for fut in done.value():
-            fut.wait()
-        return step.finish(gathered, step.dense, owners)
+        try:
+            for fut in done.value():
+                fut.wait()
+            return step.finish(gathered, step.dense, owners)
+        finally:
+            # The collective's thread releases this function after it returns; whatever the closure still owned
+            # would be freed there, taking the GIL once per tensor, and a process that ends meanwhile kills that
+            # thread inside C++ (SIGABRT at exit, seen with Gloo). Released here, under the GIL, nothing is left.
+            step = gathered = owners = None
 
     # collect_all even for one collective: its callback runs on the hook's stream, where this step's tensors were
     # made (a collective's own future would run it on a pool stream the step's temporaries are not recorded on)

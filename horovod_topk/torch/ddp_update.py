@@ -55,9 +55,11 @@ def hold(state: Any, bucket: dist.GradBucket, group: Any) -> torch.futures.Futur
         if buffer.is_floating_point() else torch.zeros(1, device=buffer.device)
 
     def agree(fut: torch.futures.Future) -> torch.Tensor:
+        nonlocal buffer
+        agreed, buffer = buffer, None  # nothing left for the collective's thread to free (see ddp.launch)
         if float(fut.value()[0][0]) > 0:
-            buffer.fill_(float("nan"))
-        return buffer
+            agreed.fill_(float("nan"))
+        return agreed
 
     return dist.all_reduce(count, group=group, async_op=True).get_future().then(agree)
 
