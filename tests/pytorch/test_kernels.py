@@ -147,7 +147,7 @@ def test_momentum_correction_matches_the_reference_and_masks():
                                              (2, 700_001, 0), (2, 700_001, 3)],
                          ids=["P1", "P2", "P5", "P2-streamed", "P2-streamed-unaligned"])
 def test_decompress_equals_the_reference_scatter(world, n, offset):
-    """Above 1 MiB the output is zeroed with streaming stores (an unaligned start and an odd tail included)."""
+    """Above 1 MiB the output is written with streaming stores (an unaligned start and an odd tail included)."""
     k = n // 100
     layout = PayloadLayout(k, 4)
     payloads = []
@@ -167,6 +167,53 @@ def test_decompress_equals_the_reference_scatter(world, n, offset):
     indices, values = ops.unpack(gathered, world, layout, torch.float32)
     expected = ops.scatter_sum(indices, values, n, torch.float32) * 0.5
     torch.testing.assert_close(out, expected)
+    assert torch.equal(whole[:offset], before[:offset]) and torch.equal(whole[offset + n:], before[offset + n:])
+
+
+def _reference_decompress(out, indices, values, scale):
+    """What decompress computes, entry by entry in payload order: out = 0, then out[i] = O(float(out[i]) +
+    float(scale * double(v))) for each payload's entries in turn."""
+    expected = torch.zeros(out.numel(), dtype=torch.float32)
+    for idx, val in zip(indices, values):
+        contribution = (val.double() * scale).float()
+        if idx.unique().numel() == idx.numel():
+            expected[idx.long()] = (expected[idx.long()].to(out.dtype).float() + contribution).to(out.dtype).float()
+        else:
+            for i, c in zip(idx.tolist(), contribution):
+                expected[i] = (expected[i] + c).to(out.dtype).float()  # a float32 sum, rounded to the output's type
+    return expected.to(out.dtype)
+
+
+@pytest.mark.parametrize("order", ["ascending", "repeats", "descending"])
+@pytest.mark.parametrize("out_dtype,wire", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                            (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float64, torch.float32)],
+                         ids=["f32", "f32-wire16", "f16", "bf16", "f64"])
+@pytest.mark.parametrize("n,offset", [(10_000, 0), (300_007, 1)], ids=["cached", "streamed-unaligned"])
+def test_decompress_is_the_payload_order_sum_bit_for_bit(order, out_dtype, wire, n, offset):
+    """The output is composed block by block from ascending payloads (duplicates included); other orders take
+    the zero-then-scatter path. Both give, bit for bit, the payloads added in order."""
+    world, k = 3, n // 50
+    gen = torch.Generator().manual_seed(n + world)
+    layout = PayloadLayout(k, torch.empty(0, dtype=wire).element_size())
+    indices, values, payloads = [], [], []
+    for rank in range(world):
+        idx = torch.randperm(n, generator=gen)[:k].sort().values
+        if order == "repeats":  # ascending with runs of the same index, as at a block's edge
+            idx = idx.repeat_interleave(2)[:k]
+        elif order == "descending" and rank == 1:
+            idx = idx.flip(0)
+        idx[-1] = n - 1 if order != "descending" or rank != 1 else idx[-1]  # the last block's last element
+        val = torch.randn(k, generator=gen).to(wire)
+        indices.append(idx.to(torch.int32))
+        values.append(val)
+        payloads.append(ops.pack(idx.to(torch.int32), val, layout))
+    whole = torch.randn(n + offset + 3).to(out_dtype)
+    out = whole[offset:offset + n]
+    before = whole.clone()
+    K.decompress(torch.cat(payloads), world, k, layout.values_offset, layout.nbytes, torch.empty(0, dtype=wire),
+                 1 / world, out)
+    assert torch.equal(out, _reference_decompress(out, indices, values, 1 / world))
     assert torch.equal(whole[:offset], before[:offset]) and torch.equal(whole[offset + n:], before[offset + n:])
 
 
