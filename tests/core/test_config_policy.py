@@ -47,6 +47,22 @@ def test_plan_sends_small_and_integer_tensors_dense():
 def test_plan_refuses_tensors_beyond_int32_indices_by_name():
     with pytest.raises(ValueError, match="'huge'.*int32"):
         plan_tensor("huge", MAX_COMPRESSED_NUMEL + 1, True, TopKConfig())
+    with pytest.raises(ValueError, match="'other'.*int32"):  # each name its own message, asked again
+        plan_tensor("other", MAX_COMPRESSED_NUMEL + 1, True, TopKConfig())
+    assert not plan_tensor("small", MAX_COMPRESSED_NUMEL + 1, True, TopKConfig(min_numel=MAX_COMPRESSED_NUMEL + 2)).compressed
+
+
+def test_plans_are_remembered_but_each_warmup_step_has_its_own():
+    """Every framework asks for every tensor's plan on every step: the same inputs give the same plan object
+    (the cost model runs once), while during warm-up each step's k is its own."""
+    steady = TopKConfig(ratio=0.01)
+    first = plan_tensor("w", 1_000_000, True, steady, world_size=4, step=3)
+    assert plan_tensor("v", 1_000_000, True, steady, world_size=4, step=900) is first
+    assert first.k == 10_000 and plan_tensor("w", 1_000_000, True, TopKConfig(ratio=0.02), world_size=4).k == 20_000
+    warm = TopKConfig(ratio=0.001, warmup_steps=10)
+    ks = [plan_tensor("w", 1_000_000, True, warm, step=t).k for t in range(12)]
+    assert ks[0] is None and ks[2] > ks[5] > ks[9] > ks[10] == ks[11] == 1000  # dense first, then decaying
+    assert ks == [plan_tensor("w", 1_000_000, True, warm, step=t).k for t in range(12)]
 
 
 def test_config_round_trips_and_refuses_unknown_keys():
