@@ -188,8 +188,9 @@ def plan_tensor(
             f"tensor {name!r} has {numel} elements; Top-K payloads index with int32, so a compressed tensor must "
             f"have at most {MAX_COMPRESSED_NUMEL}: split it into several smaller parameters."
         )
-    # The step matters only during warm-up: outside it every step shares one plan
-    return _plan(numel, is_floating, config, world_size, step if config.warmup_steps else 0, value_itemsize,
+    # The step matters only during warm-up (warmup_ratio is the target from warmup_steps on): every later step
+    # shares one plan
+    return _plan(numel, is_floating, config, world_size, min(step, config.warmup_steps), value_itemsize,
                  grad_itemsize, sparse_available)
 
 

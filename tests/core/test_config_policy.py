@@ -63,6 +63,7 @@ def test_plans_are_remembered_but_each_warmup_step_has_its_own():
     ks = [plan_tensor("w", 1_000_000, True, warm, step=t).k for t in range(12)]
     assert ks[0] is None and ks[2] > ks[5] > ks[9] > ks[10] == ks[11] == 1000  # dense first, then decaying
     assert ks == [plan_tensor("w", 1_000_000, True, warm, step=t).k for t in range(12)]
+    assert plan_tensor("w", 1_000_000, True, warm, step=10) is plan_tensor("w", 1_000_000, True, warm, step=5000)
 
 
 def test_config_round_trips_and_refuses_unknown_keys():

@@ -519,6 +519,6 @@ void define_sparse_rounds(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
-  m.def("decompress", &decompress, "zero the gradient buffer and add the P payloads, scaled, into it");
+  m.def("decompress", &decompress, "the gradient buffer written once: zeros plus the P payloads, scaled");
   define_sparse_rounds(m);
 }
