@@ -25,7 +25,7 @@ from .config import TopKConfig
 from .consistency import fingerprint
 from .exchange import ALLGATHER, DENSE
 from .payload import PayloadLayout
-from .policy import TensorPlan, plan_tensor, tensor_payload_layout
+from .policy import TensorPlan, plan_tensor, tensor_payload_layout, warmup_phase
 
 __all__ = ["MemberPlan", "BucketPlan", "plan_bucket", "bucket_fingerprint"]
 
@@ -135,8 +135,7 @@ def plan_bucket(
     """
     if not members:
         raise ValueError("horovod-topk: a bucket needs at least one member")
-    # the step matters only inside the sparsity warm-up (core.policy.warmup_ratio)
-    phase = min(step, config.warmup_steps) if config is not None else 0
+    phase = warmup_phase(config, step) if config is not None else 0
     key = (tuple(members), config, is_floating, world_size, phase, value_itemsize, grad_itemsize, sparse_available)
     with _PLANS_LOCK:  # hooks of several models may plan from several threads
         found = _PLANS.get(key)

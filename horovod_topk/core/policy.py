@@ -188,10 +188,14 @@ def plan_tensor(
             f"tensor {name!r} has {numel} elements; Top-K payloads index with int32, so a compressed tensor must "
             f"have at most {MAX_COMPRESSED_NUMEL}: split it into several smaller parameters."
         )
-    # The step matters only during warm-up (warmup_ratio is the target from warmup_steps on): every later step
-    # shares one plan
-    return _plan(numel, is_floating, config, world_size, min(step, config.warmup_steps), value_itemsize,
-                 grad_itemsize, sparse_available)
+    return _plan(numel, is_floating, config, world_size, warmup_phase(config, step), value_itemsize, grad_itemsize,
+                 sparse_available)
+
+
+def warmup_phase(config: TopKConfig, step: int) -> int:
+    """The step as far as a plan can tell: warmup_ratio is the target from ``config.warmup_steps`` on, so every
+    later step plans alike (what lets plans be remembered across steps)."""
+    return min(step, config.warmup_steps)
 
 
 @functools.lru_cache(maxsize=4096)
