@@ -39,7 +39,8 @@ TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
 EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.01-sparse_allreduce",
-                 "update0.01", "update-shared0.01", "update-calibrated0.01", "update0.0115", "update-compact0.025", "topk0.03", "topk0.1"]
+                 "update0.01", "update-shared0.01", "update-calibrated0.01", "update0.0115", "update-compact0.025", "topk0.03", "topk0.1",
+                 "compact0.1", "update-compact0.1", "update-compact-calibrated0.1"]
 
 
 #: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
@@ -85,6 +86,13 @@ def compression_for(method: str, warmup_steps: int):
         "update0.0115": TopKEF(ratio=0.0115, target="update", second_moment="local"),
         "update-compact0.025": TopKEF(ratio=0.025, index_bits=16, value_dtype="float8", target="update",
                                       second_moment="local"),
+        # the compact encoding at ratio 0.1 (0.3 bytes per parameter, 8% of dense's float32): gradient mode, update
+        # mode with each rank's own second moment, and update mode's default for Adam (the calibrated one)
+        "compact0.1": TopKEF(ratio=0.1, index_bits=16, value_dtype="float8", target="gradient"),
+        "update-compact0.1": TopKEF(ratio=0.1, index_bits=16, value_dtype="float8", target="update",
+                                    second_moment="local"),
+        "update-compact-calibrated0.1": TopKEF(ratio=0.1, index_bits=16, value_dtype="float8", target="update",
+                                               second_moment="calibrated"),
         "topk0.01-sparse_allreduce": TopKEF(ratio=0.01, exchange="sparse_allreduce", target="gradient"),
         "topk0.03": TopKEF(ratio=0.03, target="gradient"),
         "topk0.1": TopKEF(ratio=0.1, target="gradient"),
