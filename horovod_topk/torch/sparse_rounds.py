@@ -16,10 +16,10 @@ elementwise pass over the model per step where these torch operations cost ~8x (
 
 Each member keeps its own k, per-destination capacity and kept count, so a member's result does not depend on its
 bucket-mates: a bucket of one is the per-tensor sparse allreduce. Within an owner's region the largest sums win,
-non-finite sums first, ties to the lower index (a stable sort); the owner sends them in ascending index order. On
-an accelerator nothing is filtered by a mask (positions that must not be written go to a scratch slot, masked
-values are zeros), so the only host synchronisations are the few of torch.unique and torch.bincount per bucket
-(their output sizes depend on the data), not several per member. (Not yet measured on a GPU.)
+non-finite sums first, ties to the lower index (a stable sort); the owner sends them in ascending index order. On an accelerator nothing is filtered by a mask
+(positions that must not be written go to a scratch slot, masked values are zeros), so the only host
+synchronisations are the few of torch.unique and torch.bincount per bucket (their output sizes depend on the data),
+not several per member. (Not yet measured on a GPU.)
 
 Error feedback stays exact: entries over a destination's capacity go back to the sender's residual at once, an
 owner keeps the rounding of each kept sum to the wire dtype, and after phase 2 each rank returns to its residual its
@@ -113,8 +113,7 @@ class _Geometry:
         self.kept = as_tensor([m.kept for m in members])
         self.kept_list = [m.kept for m in members]
         self.kept_bounds = _offsets(self.kept_list)
-        #: Each slot of this rank's kept payloads (before phase 2 orders them by index): its member and its rank
-        #: among the member's kept sums.
+        #: Each slot of this rank's kept payloads: its member and its rank among the member's kept sums.
         self.own_member = torch.repeat_interleave(torch.arange(len(members), device=device), as_tensor(self.kept_list))
         self.own_rank = torch.cat([torch.arange(q, dtype=torch.int64, device=device) for q in self.kept_list])
         self.own_base = self.base[self.own_member]
@@ -295,9 +294,8 @@ class _Group:
     # ---- phase 2 -------------------------------------------------------------------------------------------------
     def fill_owned(self, received: torch.Tensor, out: torch.Tensor) -> None:
         """From the alltoall's rows (flat uint8), write this rank's kept sums of every member into ``out`` (one
-        allgather row, flat, 8 scratch bytes last): per member the ceil(k / P) largest sums of its region
-        (non-finite first), in ascending index order; the rounding of each kept sum to the wire dtype stays in this
-        rank's residual."""
+        allgather row, flat, 8 scratch bytes last): per member the ceil(k / P) largest sums of its region,
+        non-finite first; the rounding of each kept sum to the wire dtype stays in this rank's residual."""
         geo = self.geometry
         indices = _take(received.view(torch.int32), geo.recv_index).long()
         used = indices >= 0
@@ -322,8 +320,7 @@ class _Group:
         kept_sums = torch.where(valid, _take(sums, chosen), torch.zeros((), dtype=self.acc_dtype, device=at.device))
         # each member's kept sums in ascending index order, unused slots last (the CPU kernel writes them so too, and
         # writes its outputs from sorted rows in one blocked pass)
-        key = geo.own_order_base + torch.where(valid, kept_local, geo.total)
-        order = torch.argsort(key.to(_small_int(len(geo.members) * (geo.total + 1))))
+        order = torch.argsort(geo.own_order_base + torch.where(valid, kept_local, geo.total))
         kept_local, kept_sums, valid = _take(kept_local, order), _take(kept_sums, order), _take(valid, order)
         view_index, view_value = out.view(torch.int32), out.view(self.wire_dtype)
         view_index[geo.own_index] = kept_local.to(torch.int32)

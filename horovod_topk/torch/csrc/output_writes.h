@@ -73,20 +73,16 @@ class OutputWriter {
   bool stream_;
 };
 
-// The bytes of one block that write_in_blocks composes in L1. Every block visits every source's cursor: P checks per
-// block whatever the entries (sparse_rounds.cpp's apply_member weighs that).
-constexpr int64_t OUTPUT_BLOCK_BYTES = 8192;
-
-// Writes out[0, n) once, in blocks of OUTPUT_BLOCK_BYTES composed in L1: the block's zeros, then the entries of
-// every source that fall in it, source by source, each by ``add(slot, source, position)``; then the block is stored
-// (OutputWriter). Each element therefore sums its entries in the same order as zeroing the output and scattering the
-// sources into it one after another would, bit for bit; but zeroing first and scattering afterwards fetched every
-// line back from memory (2.2x slower on a 25.6M-element output, benchmarks/bench_compress.py). Source p is
-// ``counts[p]`` indices at ``indices[p]``, ascending and in [0, n): the caller checks both first.
+// Writes out[0, n) once, in blocks of 8 KiB composed in L1: the block's zeros, then the entries of every source that
+// fall in it, source by source, each by ``add(slot, source, position)``; then the block is stored (OutputWriter).
+// Each element therefore sums its entries in the same order as zeroing the output and scattering the sources into it
+// one after another would, bit for bit; but zeroing first and scattering afterwards fetched every line back from
+// memory (2.2x slower on a 25.6M-element output, benchmarks/bench_compress.py). Source p is ``counts[p]`` indices
+// at ``indices[p]``, ascending and in [0, n): the caller checks both first.
 template <typename O, typename Add>
 void write_in_blocks(O* out, int64_t n, const std::vector<const int32_t*>& indices, const std::vector<int64_t>& counts,
                      Add add) {
-  constexpr int64_t BLOCK = OUTPUT_BLOCK_BYTES / static_cast<int64_t>(sizeof(O));
+  constexpr int64_t BLOCK = 8192 / static_cast<int64_t>(sizeof(O));
   alignas(64) O block[BLOCK];
   std::vector<int64_t> cursor(indices.size(), 0);
   const OutputWriter writer(static_cast<size_t>(n) * sizeof(O));

@@ -12,8 +12,7 @@
 //   return_dropped  marks every index some owner kept, returns this rank's sent entries that are unmarked to its
 //                   residual (finite values only), and clears the marks;
 //   apply_member    writes a member's output once, block by block: zeros plus every owner's kept sums, scaled
-//                   (owners write them in ascending index order for that); rows in another order, or too few
-//                   entries for many owners, are zeroed and scattered.
+//                   (owners write them in ascending index order for that).
 // Every index read from another rank is checked before anything is written: a payload from a rank with another
 // configuration raises instead of writing out of bounds.
 //
@@ -273,36 +272,29 @@ void apply_member(const torch::Tensor& gathered, int64_t kept_width, const torch
   float* o = out.data_ptr<float>();
   const float s = static_cast<float>(scale);  // as torch multiplies a float32 tensor by a Python float
   // Owners write their kept indices ascending, unused slots (-1) last: then the output is written once, block by
-  // block (output_writes.h). That pass checks every owner's cursor in every block; the owners together hold only
-  // ~k entries, so with many owners and few entries (a cursor check costs a few ns, a scattered write into a line
-  // already sent to memory tens) zeroing and scattering is cheaper: the blocked pass while the checks stay under 8
-  // per entry. Rows in any other order (valid too) are zeroed and scattered as well.
-  std::vector<const int32_t*> indices(static_cast<size_t>(world));
-  std::vector<const float*> values(static_cast<size_t>(world));
-  std::vector<int64_t> counts(static_cast<size_t>(world));
+  // block (output_writes.h). Rows in any other order (valid too) take a zeroing and a scatter.
+  std::vector<const int32_t*> indices;
+  std::vector<const float*> values;
+  std::vector<int64_t> counts;
   bool ascending = true;
-  int64_t entries = 0;
   for (int64_t r = 0; r < world; ++r) {
-    const size_t ur = static_cast<size_t>(r);
     const int32_t* idx = reinterpret_cast<const int32_t*>(rows + r * kept_width + m[KEPT_AT]);
     int64_t used = 0;
     while (used < m[KEPT] && idx[used] >= 0 && (used == 0 || idx[used] > idx[used - 1])) ++used;
     for (int64_t t = used; t < m[KEPT]; ++t) ascending = ascending && idx[t] < 0;
-    indices[ur] = idx;
-    values[ur] = reinterpret_cast<const float*>(rows + r * kept_width + m[KEPT_AT] + m[KEPT_VALUES]);
-    counts[ur] = used;
-    entries += used;
+    indices.push_back(idx);
+    values.push_back(reinterpret_cast<const float*>(rows + r * kept_width + m[KEPT_AT] + m[KEPT_VALUES]));
+    counts.push_back(used);
   }
-  const int64_t blocks = (m[NUMEL] * static_cast<int64_t>(sizeof(float)) + OUTPUT_BLOCK_BYTES - 1) / OUTPUT_BLOCK_BYTES;
-  if (ascending && world * blocks <= 8 * entries) {
+  if (ascending) {
     write_in_blocks(o, m[NUMEL], indices, counts,
                     [&](float& slot, int64_t r, int64_t t) { slot += values[static_cast<size_t>(r)][t] * s; });
     return;
   }
   zero_bytes(static_cast<void*>(o), static_cast<size_t>(m[NUMEL]) * sizeof(float));
-  for (size_t r = 0; r < indices.size(); ++r)
+  for (int64_t r = 0; r < world; ++r)
     for (int64_t t = 0; t < m[KEPT]; ++t)
-      if (indices[r][t] >= 0) o[indices[r][t]] += values[r][t] * s;
+      if (indices[static_cast<size_t>(r)][t] >= 0) o[indices[static_cast<size_t>(r)][t]] += values[static_cast<size_t>(r)][t] * s;
 }
 
 }  // namespace
