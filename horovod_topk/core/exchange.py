@@ -161,8 +161,6 @@ class SparseAllreduceLayouts:
     ``send``: one PayloadLayout of ``capacity`` entries per destination; the alltoall buffer is P of them back to
     back (splits all equal to ``send.nbytes``), unused slots hold index -1 and value 0.
     ``kept``: the PayloadLayout of one owner's ``kept_per_owner`` sums in the phase-2 allgather (unused: -1, 0).
-    A receiver must accept the kept sums in any order (each index has one owner, so the result does not depend on
-    it); PyTorch's owners send them in ascending index order, which its CPU kernel writes an output from in one pass.
     """
 
     k: int

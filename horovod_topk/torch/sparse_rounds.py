@@ -16,7 +16,7 @@ elementwise pass over the model per step where these torch operations cost ~8x (
 
 Each member keeps its own k, per-destination capacity and kept count, so a member's result does not depend on its
 bucket-mates: a bucket of one is the per-tensor sparse allreduce. Within an owner's region the largest sums win,
-non-finite sums first, ties to the lower index (a stable sort); the owner sends them in ascending index order. On an accelerator nothing is filtered by a mask
+non-finite sums first, ties to the lower index (a stable sort). On an accelerator nothing is filtered by a mask
 (positions that must not be written go to a scratch slot, masked values are zeros), so the only host
 synchronisations are the few of torch.unique and torch.bincount per bucket (their output sizes depend on the data),
 not several per member. (Not yet measured on a GPU.)
@@ -117,8 +117,6 @@ class _Geometry:
         self.own_member = torch.repeat_interleave(torch.arange(len(members), device=device), as_tensor(self.kept_list))
         self.own_rank = torch.cat([torch.arange(q, dtype=torch.int64, device=device) for q in self.kept_list])
         self.own_base = self.base[self.own_member]
-        #: Orders a member's kept sums by index, after those of the members before it, unused slots last.
-        self.own_order_base = self.own_member * (self.total + 1)
         # phase 1: a member's block for owner o starts at element o * width / size + at / size of a row
         self.entry_send_index_at = as_tensor([m.send_at // 4 for m in members])[self.entry_member]
         self.entry_send_value_at = as_tensor([(m.send_at + m.send_values) // itemsize for m in members])[
@@ -318,10 +316,6 @@ class _Group:
         chosen = _take(ranked, at)
         kept_local = torch.where(valid, _take(unique, chosen) - geo.own_base, torch.full_like(at, -1))
         kept_sums = torch.where(valid, _take(sums, chosen), torch.zeros((), dtype=self.acc_dtype, device=at.device))
-        # each member's kept sums in ascending index order, unused slots last (the CPU kernel writes them so too, and
-        # writes its outputs from sorted rows in one blocked pass)
-        order = torch.argsort(geo.own_order_base + torch.where(valid, kept_local, geo.total))
-        kept_local, kept_sums, valid = _take(kept_local, order), _take(kept_sums, order), _take(valid, order)
         view_index, view_value = out.view(torch.int32), out.view(self.wire_dtype)
         view_index[geo.own_index] = kept_local.to(torch.int32)
         view_value[geo.own_value] = kept_sums.to(self.wire_dtype)

@@ -222,47 +222,6 @@ def test_fused_kernels_match_the_torch_operations_bit_for_bit(monkeypatch, world
         assert all(torch.isfinite(res).all() for rank in fused[3] for res in rank)
 
 
-@pytest.mark.parametrize("backend", ["fused", "reference"])
-def test_owners_send_kept_sums_in_index_order_and_receivers_accept_any_order(monkeypatch, backend):
-    """An owner's kept sums leave in ascending index order, unused slots last (the CPU kernel writes an output from
-    such rows in one blocked pass); rows in another order are valid too and give the same outputs bit for bit."""
-    if backend == "fused":
-        _fused_kernels_or_skip()
-    monkeypatch.setenv("HOROVOD_TOPK_SELECTION", backend)
-    P, sizes = 4, [5000, 300, 17]
-    ranks = _ranks(P, sizes, 1.0, torch.float32, torch.float32, 11, poison=True)
-    rounds = [SparseRounds(reqs) for reqs in ranks]
-    owned = [rounds[r].owned(torch.cat([rounds[s].send[r] for s in range(P)])) for r in range(P)]
-    unused = 0
-    for row in owned:
-        for layouts, at in zip(rounds[0].layouts, rounds[0].kept_offsets):
-            kept = row[at: at + 4 * layouts.kept.k].view(torch.int32)
-            used = kept[kept >= 0]
-            unused += int((kept < 0).sum())
-            assert torch.equal(kept[: used.numel()], used), "unused slots must come last"
-            assert bool((used[1:] > used[:-1]).all()), "kept indices must ascend"
-    assert unused > 0  # owners whose region is smaller than their slots: the padding is exercised
-    gathered = torch.cat(owned)
-    shuffled = gathered.clone()
-    gen = torch.Generator().manual_seed(3)
-    for o in range(P):  # every owner's kept entries of every member permuted, index and value together
-        base = o * rounds[0].kept_offsets[-1]
-        for layouts, at in zip(rounds[0].layouts, rounds[0].kept_offsets):
-            k, start = layouts.kept.k, base + at
-            perm = torch.randperm(k, generator=gen)
-            idx = shuffled[start: start + 4 * k].view(torch.int32)
-            vals = shuffled[start + layouts.kept.values_offset: start + layouts.kept.values_offset + 4 * k].view(
-                torch.float32)
-            idx.copy_(idx[perm].clone())
-            vals.copy_(vals[perm].clone())
-    assert not torch.equal(shuffled, gathered)
-    for r in range(P):
-        for i in range(len(sizes)):
-            want = rounds[r].apply(i, rounds[r].gathered_rows(gathered.clone())).clone()
-            got = rounds[r].apply(i, rounds[r].gathered_rows(shuffled.clone())).clone()
-            assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
-
-
 def test_fused_kernels_refuse_an_index_out_of_range_before_writing():
     """An alltoall row from a rank with another configuration (an index past the tensor) raises an error that names
     the index and the tensor's size, instead of writing out of bounds."""

@@ -8,11 +8,10 @@
 //                   owner); entries over an owner's capacity go straight back into the residual;
 //   fill_owned      sums what the P senders sent for each index of this rank's region in an open-addressing table,
 //                   in the senders' order (so the float sums are the torch version's, bit for bit), and writes the
-//                   `kept` largest (non-finite first, ties to the lower index) in ascending index order;
+//                   `kept` largest (non-finite first, ties to the lower index) in that order;
 //   return_dropped  marks every index some owner kept, returns this rank's sent entries that are unmarked to its
 //                   residual (finite values only), and clears the marks;
-//   apply_member    writes a member's output once, block by block: zeros plus every owner's kept sums, scaled
-//                   (owners write them in ascending index order for that).
+//   apply_member    zeroes a member's output and adds every owner's kept sums into it, scaled.
 // Every index read from another rank is checked before anything is written: a payload from a rank with another
 // configuration raises instead of writing out of bounds.
 //
@@ -28,7 +27,7 @@
 #include <limits>
 #include <vector>
 
-#include "output_writes.h"
+#include "zero_bytes.h"
 
 namespace {
 
@@ -200,9 +199,7 @@ void fill_owned(const torch::Tensor& received, int64_t send_width, const torch::
       order[t] = (static_cast<uint64_t>(0xFFFFFFFFu - bits) << 32) | static_cast<uint32_t>(keys[t]);
     }
     if (q < n) std::nth_element(order.begin(), order.begin() + q, order.end());
-    // the kept sums in ascending index order: every rank writes its output from them in one blocked pass
-    std::sort(order.begin(), order.begin() + q,
-              [](uint64_t a, uint64_t b) { return static_cast<uint32_t>(a) < static_cast<uint32_t>(b); });
+    std::sort(order.begin(), order.begin() + q);
     int32_t* kept_idx = reinterpret_cast<int32_t*>(out + m[KEPT_AT]);
     float* kept_val = reinterpret_cast<float*>(out + m[KEPT_AT] + m[KEPT_VALUES]);
     for (int64_t t = 0; t < q; ++t) {
@@ -270,31 +267,14 @@ void apply_member(const torch::Tensor& gathered, int64_t kept_width, const torch
   const uint8_t* rows = gathered.data_ptr<uint8_t>();
   check_slots(rows, world, kept_width, m[KEPT_AT], m[KEPT], m[NUMEL], "allgather");
   float* o = out.data_ptr<float>();
+  zero_bytes(static_cast<void*>(o), static_cast<size_t>(m[NUMEL]) * sizeof(float));
   const float s = static_cast<float>(scale);  // as torch multiplies a float32 tensor by a Python float
-  // Owners write their kept indices ascending, unused slots (-1) last: then the output is written once, block by
-  // block (output_writes.h). Rows in any other order (valid too) take a zeroing and a scatter.
-  std::vector<const int32_t*> indices;
-  std::vector<const float*> values;
-  std::vector<int64_t> counts;
-  bool ascending = true;
   for (int64_t r = 0; r < world; ++r) {
     const int32_t* idx = reinterpret_cast<const int32_t*>(rows + r * kept_width + m[KEPT_AT]);
-    int64_t used = 0;
-    while (used < m[KEPT] && idx[used] >= 0 && (used == 0 || idx[used] > idx[used - 1])) ++used;
-    for (int64_t t = used; t < m[KEPT]; ++t) ascending = ascending && idx[t] < 0;
-    indices.push_back(idx);
-    values.push_back(reinterpret_cast<const float*>(rows + r * kept_width + m[KEPT_AT] + m[KEPT_VALUES]));
-    counts.push_back(used);
-  }
-  if (ascending) {
-    write_in_blocks(o, m[NUMEL], indices, counts,
-                    [&](float& slot, int64_t r, int64_t t) { slot += values[static_cast<size_t>(r)][t] * s; });
-    return;
-  }
-  zero_bytes(static_cast<void*>(o), static_cast<size_t>(m[NUMEL]) * sizeof(float));
-  for (int64_t r = 0; r < world; ++r)
+    const float* val = reinterpret_cast<const float*>(rows + r * kept_width + m[KEPT_AT] + m[KEPT_VALUES]);
     for (int64_t t = 0; t < m[KEPT]; ++t)
-      if (indices[static_cast<size_t>(r)][t] >= 0) o[indices[static_cast<size_t>(r)][t]] += values[static_cast<size_t>(r)][t] * s;
+      if (idx[t] >= 0) o[idx[t]] += val[t] * s;
+  }
 }
 
 }  // namespace

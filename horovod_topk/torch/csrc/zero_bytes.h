@@ -1,12 +1,10 @@
-// Writing large output buffers, shared by the fused kernels (topk_kernels.cpp, sparse_rounds.cpp): zeroing, streamed
-// stores, and composing an output from sorted sparse sources block by block.
+// Writing large output buffers, shared by the fused kernels (topk_kernels.cpp, sparse_rounds.cpp).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -72,31 +70,3 @@ class OutputWriter {
  private:
   bool stream_;
 };
-
-// Writes out[0, n) once, in blocks of 8 KiB composed in L1: the block's zeros, then the entries of every source that
-// fall in it, source by source, each by ``add(slot, source, position)``; then the block is stored (OutputWriter).
-// Each element therefore sums its entries in the same order as zeroing the output and scattering the sources into it
-// one after another would, bit for bit; but zeroing first and scattering afterwards fetched every line back from
-// memory (2.2x slower on a 25.6M-element output, benchmarks/bench_compress.py). Source p is ``counts[p]`` indices
-// at ``indices[p]``, ascending and in [0, n): the caller checks both first.
-template <typename O, typename Add>
-void write_in_blocks(O* out, int64_t n, const std::vector<const int32_t*>& indices, const std::vector<int64_t>& counts,
-                     Add add) {
-  constexpr int64_t BLOCK = 8192 / static_cast<int64_t>(sizeof(O));
-  alignas(64) O block[BLOCK];
-  std::vector<int64_t> cursor(indices.size(), 0);
-  const OutputWriter writer(static_cast<size_t>(n) * sizeof(O));
-  for (int64_t begin = 0; begin < n; begin += BLOCK) {
-    const int64_t len = std::min<int64_t>(BLOCK, n - begin);
-    const int64_t end = begin + len;
-    std::memset(static_cast<void*>(block), 0, static_cast<size_t>(len) * sizeof(O));
-    for (size_t p = 0; p < indices.size(); ++p) {
-      const int32_t* idx = indices[p];
-      int64_t c = cursor[p];
-      for (; c < counts[p] && idx[c] < end; ++c) add(block[idx[c] - begin], static_cast<int64_t>(p), c);
-      cursor[p] = c;
-    }
-    writer.write(out + begin, block, static_cast<size_t>(len) * sizeof(O));
-  }
-  writer.finish();
-}
