@@ -162,10 +162,12 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
     result = {name: statistics.median(values) for name, values in times.items()}
     if "topk-graphs" in states:  # the graphs did replay (recording failed nowhere)
         result["replays"] = states["topk-graphs"]._group_selection().replays()
+        result["finish_replays"] = states["topk-graphs"]._group_selection().finish_replays()
     for method, per_step in hook_per_step.items():  # the host's time inside the hook (planning, selection, launches)
         result[f"hook:{method}"] = statistics.median(per_step)
-    if profile and "topk" in runs:
-        host_profile(runs["topk"], device, profile)
+    profiled = [m for m in ("topk-graphs", "topk") if m in states]
+    if profile and profiled:
+        host_profile(runs[profiled[0]], profiled[0], device, profile)
     if device.type == "cuda":
         for method in methods:
             result[f"syncs:{method}"] = host_syncs(runs[method], device)
@@ -178,29 +180,40 @@ def timed_hook(calls: List[float]) -> Callable:
     @functools.wraps(topk_ef_hook)  # DDP checks the hook's annotations
     def hook(state, bucket):
         start = time.perf_counter()
+        profiler = HOOK_PROFILER[0]
+        if profiler is not None:  # cProfile sees one thread: the hook's own (autograd's device thread on a GPU)
+            profiler.enable()
         try:
             return topk_ef_hook(state, bucket)
         finally:
+            if profiler is not None:
+                profiler.disable()
             calls.append((time.perf_counter() - start) * 1e3)
     return hook
 
 
-def host_profile(step: Callable[[], None], device: torch.device, steps: int) -> None:
-    """Where the host's time goes in ``steps`` TopKEF steps (cProfile): on a GPU the step is bound by what the host
-    does between launches, so this is the list of what to make cheaper."""
+HOOK_PROFILER: List[object] = [None]  # the cProfile.Profile that timed_hook runs under while --profile records
+
+
+def host_profile(step: Callable[[], None], method: str, device: torch.device, steps: int) -> None:
+    """Where the hook's host time goes in ``steps`` steps of ``method`` (cProfile, enabled inside the hook, since on
+    a GPU autograd runs it on a device thread that a profiler of the main thread never sees): the step is bound by
+    what the host does between launches, so this is the list of what to make cheaper."""
     import cProfile
     import pstats
     profiler = cProfile.Profile()
     _sync(device)
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    profiler.disable()
+    HOOK_PROFILER[0] = profiler
+    try:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    finally:
+        HOOK_PROFILER[0] = None
     stats = pstats.Stats(profiler)
     for order in ("tottime", "cumulative"):
-        print(f"# host profile of {steps} topk steps, by {order}:")
-        stats.sort_stats(order).print_stats(28)
+        print(f"# host profile of the hook in {steps} {method} steps, by {order}:")
+        stats.sort_stats(order).print_stats(32)
 
 
 def host_syncs(step: Callable[[], None], device: torch.device) -> int:
@@ -265,7 +278,8 @@ def main() -> None:
                              "a GPT-2-small-sized decoder on this many 256-token sequences) instead of the shapes "
                              "alone: forward and backward in every step, so backward's compute can hide the work")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="after the timing, profile the host's work in this many topk steps (cProfile)")
+                        help="after the timing, profile the hook's host work in this many steps of topk-graphs, else topk "
+                             "(cProfile)")
     parser.add_argument("--host-only", action="store_true",
                         help="CPU: run the GPU path's Python (grouped selection, DDP glue) with its kernels replaced "
                              "by no-ops, so the hook's host time is what a GPU step would spend launching. Meaningful "
@@ -306,7 +320,8 @@ def main() -> None:
             print(f"# {name}: host ms inside the hook per step (launching, not waiting): "
                   + ", ".join(f"{m} {r['hook:' + m]:.2f}" for m in methods if m != "dense"))
             if "replays" in r:
-                print(f"# {name}: topk-graphs replayed {r['replays']} bucket selections as CUDA graphs")
+                print(f"# {name}: topk-graphs replayed {r['replays']} bucket selections and {r['finish_replays']} "
+                      f"addings back as CUDA graphs")
             if device.type == "cuda":
                 print(f"# {name}: host synchronisations in one step (sync debug mode): "
                       + ", ".join(f"{m} {r['syncs:' + m]}" for m in methods))

@@ -91,15 +91,38 @@ class SelectedGroup:
         #: One flat view over the members' gradients when they lie back to back, else None.
         self.span = span
 
+    def gathered_buffer(self, world_size: int) -> torch.Tensor:
+        """Where the allgather of every rank's payload should land (``world_size`` x :attr:`payload` bytes): the
+        group's own buffer where adding back is replayed as a CUDA graph (a graph reads fixed addresses), else a
+        new one."""
+        nbytes = world_size * self.payload.numel()
+        device = self.payload.device
+        if self.found is not None and group_graphs.enabled(device):
+            return self.found.gathered(nbytes, device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
     def finish(self, rows: torch.Tensor, scale: float, kernels: Any) -> None:
         """Write every member's average over its gradient from ``rows`` (P x this group's payload bytes): one
-        launch per rank; straight into the gradients when they lie back to back, else through one buffer."""
-        out = self.span if self.span is not None else torch.empty(self.group.numel, dtype=torch.float32,
-                                                                                 device=rows.device)
-        with selection.on_device(rows.device):
+        launch per rank; straight into the gradients when they lie back to back, else through one buffer. Rows
+        that are the group's own gathered buffer (:meth:`gathered_buffer`) under graphs: the P launches and the
+        copies replayed as one CUDA graph, recorded per (rows, gradients, scale) -- at 64 ranks that is one
+        launch where there were 64."""
+        def work() -> Tuple[torch.Tensor, ...]:
+            out = self.span if self.span is not None else torch.empty(self.group.numel, dtype=torch.float32,
+                                                                      device=rows.device)
             kernels.accumulate(list(rows), self.group, self.members[0].wire_dtype, scale, out)
-        if self.span is None:  # one batched copy (a multi-tensor kernel on CUDA), not a launch per member
-            torch._foreach_copy_([m.flat for m in self.members], list(out.split(list(self.group.numels))))
+            if self.span is None:  # one batched copy (a multi-tensor kernel on CUDA), not a launch per member
+                torch._foreach_copy_([m.flat for m in self.members], list(out.split(list(self.group.numels))))
+            return ()
+
+        with selection.on_device(rows.device):
+            if self.found is not None and self.found.owns(rows) and group_graphs.enabled(rows.device):
+                targets = ((self.span.data_ptr(),) if self.span is not None else
+                           tuple(m.flat.data_ptr() for m in self.members))
+                self.found.finish_graphs.run((rows.data_ptr(), tuple(rows.shape), scale, targets), work,
+                                             rows.device)
+            else:
+                work()
 
 
 class GroupSelection:
@@ -143,6 +166,10 @@ class GroupSelection:
     def replays(self) -> int:
         """How many selections ran as a replayed CUDA graph (group_graphs)."""
         return sum(g.graphs.replays for g in self._groups.values())
+
+    def finish_replays(self) -> int:
+        """How many addings back ran as a replayed CUDA graph."""
+        return sum(g.finish_graphs.replays for g in self._groups.values())
 
     def select(self, members: Sequence[GroupMember], state: Any, span: Optional[torch.Tensor] = None) -> SelectedGroup:
         """Compensate and select every member of ``members`` at once (each member's record counts its step's
@@ -196,6 +223,23 @@ class _Group:
         #: This group's selection recorded as CUDA graphs (HOROVOD_TOPK_CUDA_GRAPHS=1), one per set of addresses;
         #: they read this group's layout tables, so they live and die with it.
         self.graphs = group_graphs.GroupGraphs()
+        #: Its adding back recorded likewise, reading :meth:`gathered`'s buffer.
+        self.finish_graphs = group_graphs.GroupGraphs()
+        self._gathered: Optional[torch.Tensor] = None
+
+    def gathered(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The group's allgather destination of ``nbytes``, the same buffer every step (so a recorded adding back
+        can replay over it). Reusing it is safe in stream order: a step's collective writes it only after the
+        previous step's adding back, queued before it on the same stream, has read it."""
+        held = self._gathered
+        if held is None or held.numel() != nbytes or held.device != device:
+            held = self._gathered = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return held
+
+    def owns(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` lie in :meth:`gathered`'s buffer, from its start."""
+        held = self._gathered
+        return held is not None and rows.data_ptr() == held.data_ptr() and rows.numel() == held.numel()
 
     def adopt_residuals(self, members: Sequence[GroupMember]) -> None:
         """Make each member's residual its view of :attr:`residuals`: a residual that is not (first step, after a
@@ -278,6 +322,12 @@ class BucketSelection:
         this grouped selection again (torch.steady_bucket)."""
         assert self._group is not None
         return SteadySelection(self, plan)
+
+    def gathered_buffer(self, world_size: int) -> torch.Tensor:
+        """Where the allgather of every rank's :attr:`payload` should land (SelectedGroup.gathered_buffer)."""
+        if self._group is not None:
+            return self._group.gathered_buffer(world_size)
+        return torch.empty(world_size * self.payload.numel(), dtype=torch.uint8, device=self.payload.device)
 
     def finish(self, rows: torch.Tensor, scale: float) -> None:
         """Each member's sum of the P ranks' entries times ``scale``, written over its gradient; ``rows`` is the

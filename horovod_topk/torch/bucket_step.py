@@ -110,6 +110,12 @@ class BucketStep:
         elif dense:
             self.dense = torch.cat([buffer[m.offset:m.end] for m in dense]).div_(world_size)
 
+    def gathered_buffer(self) -> torch.Tensor:
+        """Where the allgather of every rank's :attr:`payload` should land (a buffer the selection may keep, so
+        that its adding back can replay as a CUDA graph): pass it to :meth:`finish` as ``gathered``."""
+        assert self.selection is not None
+        return self.selection.gathered_buffer(self.world_size)
+
     @property
     def all_dense(self) -> bool:
         return self.dense is self.buffer

@@ -272,7 +272,7 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
     futures: List[torch.futures.Future] = []
     gathered = None
     if step.payload is not None:
-        gathered = torch.empty(world_size * step.payload.numel(), dtype=torch.uint8, device=buffer.device)
+        gathered = step.gathered_buffer()
         futures.append(_all_gather_single(gathered, step.payload, group=group, async_op=True).get_future())
     owners = None
     if step.sparse is not None:

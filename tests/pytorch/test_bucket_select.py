@@ -56,7 +56,9 @@ def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=N
         assert all(w.selection is not None and w.selection.grouped == grouped for w in work)
         gathered = torch.cat([w.payload for w in work])
         dense = sum(w.dense for w in work) if work[0].dense is not None else None
-        outputs = [w.finish(gathered, dense.clone() if dense is not None else None) for w in work]
+        # each rank's allgather lands where its step asks (the group's own buffer under CUDA graphs)
+        outputs = [w.finish(w.gathered_buffer().copy_(gathered), dense.clone() if dense is not None else None)
+                   for w in work]
         residuals = [{name: s.registry.records[name].residual.clone() for name, _ in layout
                       if s.registry.records[name].residual is not None} for s in states]
         history.append((gathered.clone(), residuals, [o.clone() for o in outputs]))
@@ -198,9 +200,9 @@ def test_a_bucket_step_never_synchronises_the_host(monkeypatch):
 @pytest.mark.parametrize("members", [SPLIT, ADJACENT], ids=["dense-member-between", "back-to-back"])
 @pytest.mark.parametrize("steady", [False, True], ids=["full-steps", "steady-buckets"])
 def test_cuda_graphs_replay_the_same_steps(members, steady, monkeypatch):
-    """HOROVOD_TOPK_CUDA_GRAPHS=1: each bucket's grouped selection recorded once and replayed; the payloads,
-    residuals, averages and non-finite counts are those of member-by-member selection, through a NaN, a load and
-    rebuilt buckets."""
+    """HOROVOD_TOPK_CUDA_GRAPHS=1: each bucket's grouped selection and its adding back recorded once and replayed;
+    the payloads, residuals, averages and non-finite counts are those of member-by-member selection, through a NaN,
+    a load and rebuilt buckets."""
     monkeypatch.setenv("HOROVOD_TOPK_CUDA_GRAPHS", "1")
     graphed, states = _run(members, True, monkeypatch, {"ratio": 0.02}, steps=7, nan_at=3, load_at=4,
                            rebuild_at=5, fixed=True, steady=steady)
@@ -208,5 +210,6 @@ def test_cuda_graphs_replay_the_same_steps(members, steady, monkeypatch):
                                rebuild_at=5, fixed=True, steady=steady)
     _assert_same(graphed, alone)
     assert all(s._group_selection().replays() > 0 for s in states)
+    assert all(s._group_selection().finish_replays() > 0 for s in states)
     assert ([[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in states]
             == [[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in alone_states])
