@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +31,11 @@ from . import group_graphs, selection
 from .selection import compress_tensor, decompress_tensor
 
 __all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", "groupable"]
+
+#: Work on the same step's tensors that runs with a selection or an adding back, and is recorded with it under CUDA
+#: graphs: (a key naming every address it reads and writes beyond the group's own, the work). A DDP bucket's dense
+#: members ride along this way: gathered and divided with the selection, copied back with the adding back.
+Beside = Tuple[Hashable, Callable[[], Optional[torch.Tensor]]]
 
 #: Group layouts kept per device path (each holds a few small device tables): a bucket's layout changes only while
 #: a sparsity warm-up moves its k's, so a handful covers every bucket of a model in steady state.
@@ -80,7 +85,8 @@ class SelectedGroup:
     averaged gradients."""
 
     def __init__(self, group: Any, members: Sequence[GroupMember], payload: torch.Tensor,
-                 span: Optional[torch.Tensor], key: Tuple = (), found: Optional["_Group"] = None) -> None:
+                 span: Optional[torch.Tensor], key: Tuple = (), found: Optional["_Group"] = None,
+                 beside: Optional[torch.Tensor] = None) -> None:
         self.group = group
         #: The GroupSelection's key and entry this selection ran in (a steady bucket runs in them again).
         self.key = key
@@ -90,6 +96,8 @@ class SelectedGroup:
         self.payload = payload
         #: One flat view over the members' gradients when they lie back to back, else None.
         self.span = span
+        #: What the selection's ``beside`` work returned, or None.
+        self.beside = beside
 
     def gathered_buffer(self, world_size: int) -> torch.Tensor:
         """Where the allgather of every rank's payload should land (``world_size`` x :attr:`payload` bytes): the
@@ -101,26 +109,28 @@ class SelectedGroup:
             return self.found.gathered(nbytes, device)
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def finish(self, rows: torch.Tensor, scale: float, kernels: Any) -> None:
+    def finish(self, rows: torch.Tensor, scale: float, kernels: Any, beside: Optional[Beside] = None) -> None:
         """Write every member's average over its gradient from ``rows`` (P x this group's payload bytes): one
-        launch per rank; straight into the gradients when they lie back to back, else through one buffer. Rows
-        that are the group's own gathered buffer (:meth:`gathered_buffer`) under graphs: the P launches and the
-        copies replayed as one CUDA graph, recorded per (rows, gradients, scale) -- at 64 ranks that is one
-        launch where there were 64."""
+        launch per rank; straight into the gradients when they lie back to back, else through one buffer; then
+        ``beside``'s work. Rows that are the group's own gathered buffer (:meth:`gathered_buffer`) under graphs:
+        all of it replayed as one CUDA graph, recorded per (rows, gradients, scale, beside's key) -- at 64 ranks
+        one launch where there were 64 and more."""
         def work() -> Tuple[torch.Tensor, ...]:
             out = self.span if self.span is not None else torch.empty(self.group.numel, dtype=torch.float32,
                                                                       device=rows.device)
             kernels.accumulate(list(rows), self.group, self.members[0].wire_dtype, scale, out)
             if self.span is None:  # one batched copy (a multi-tensor kernel on CUDA), not a launch per member
                 torch._foreach_copy_([m.flat for m in self.members], list(out.split(list(self.group.numels))))
+            if beside is not None:
+                beside[1]()
             return ()
 
         with selection.on_device(rows.device):
             if self.found is not None and self.found.owns(rows) and group_graphs.enabled(rows.device):
                 targets = ((self.span.data_ptr(),) if self.span is not None else
                            tuple(m.flat.data_ptr() for m in self.members))
-                self.found.finish_graphs.run((rows.data_ptr(), tuple(rows.shape), scale, targets), work,
-                                             rows.device)
+                self.found.finish_graphs.run((rows.data_ptr(), tuple(rows.shape), scale, targets,
+                                              beside[0] if beside is not None else None), work, rows.device)
             else:
                 work()
 
@@ -180,9 +190,11 @@ class GroupSelection:
         return self.select_in(key, found, members, state, span, kernels)
 
     def select_in(self, key: Tuple, found: "_Group", members: Sequence[GroupMember], state: Any,
-                  span: Optional[torch.Tensor], kernels: Any = None, find_span: bool = True) -> SelectedGroup:
+                  span: Optional[torch.Tensor], kernels: Any = None, find_span: bool = True,
+                  beside: Optional[Beside] = None) -> SelectedGroup:
         """:meth:`select` in the group entry already found for ``members`` (a steady bucket keeps it, and knows
-        whether they lie back to back: ``find_span`` False)."""
+        whether they lie back to back: ``find_span`` False); ``beside``'s work runs (and is recorded) with it, its
+        result kept as the selection's :attr:`SelectedGroup.beside`."""
         kernels = kernels if kernels is not None else selection.triton_backend().kernels
         group, residuals = found.layout, found.residuals
         found.adopt_residuals(members)
@@ -192,21 +204,21 @@ class GroupSelection:
         device = members[0].flat.device
         started = time.perf_counter()
 
-        def work() -> Tuple[torch.Tensor]:
+        def work() -> Tuple[torch.Tensor, ...]:
             grads = span if span is not None else torch.cat([m.flat for m in members])
             payload, nonfinite = kernels.compensate_and_select(grads, residuals, group, members[0].wire_dtype)
             found.counts.add_(nonfinite)  # every member's record reads its own element: one launch per bucket
-            return (payload,)
+            return (payload,) if beside is None else (payload, beside[1]())
 
         with selection.on_device(device):
             if group_graphs.enabled(device):
                 addresses = ((residuals.data_ptr(), span.data_ptr()) if span is not None else
                              (residuals.data_ptr(), *(m.flat.data_ptr() for m in members)))
-                (payload,) = found.graphs.run(addresses, work, device)
+                outputs = found.graphs.run(addresses + (beside[0] if beside is not None else None,), work, device)
             else:
-                (payload,) = work()
+                outputs = work()
         state._selected_group([m.record for m in members], group.numels, time.perf_counter() - started)
-        return SelectedGroup(group, members, payload, span, key, found)
+        return SelectedGroup(group, members, outputs[0], span, key, found, outputs[1] if beside is not None else None)
 
 
 class _Group:
@@ -300,6 +312,8 @@ class BucketSelection:
             momentum.append(momentum_buffer)
         self._group: Optional[SelectedGroup] = None
         self._backends = backends
+        #: What a ``beside`` work given to the selection returned (the steady path's dense members), or None.
+        self.beside: Optional[torch.Tensor] = None
         if groupable(self.members, backends, momentum):
             self._group = state._group_selection().select(self.members, state, span)
             self.payload = self._group.payload
@@ -329,11 +343,12 @@ class BucketSelection:
             return self._group.gathered_buffer(world_size)
         return torch.empty(world_size * self.payload.numel(), dtype=torch.uint8, device=self.payload.device)
 
-    def finish(self, rows: torch.Tensor, scale: float) -> None:
+    def finish(self, rows: torch.Tensor, scale: float, beside: Optional[Beside] = None) -> None:
         """Each member's sum of the P ranks' entries times ``scale``, written over its gradient; ``rows`` is the
-        gathered buffer as P rows of this rank's :attr:`payload` size."""
+        gathered buffer as P rows of this rank's :attr:`payload` size. Then ``beside``'s work (recorded with the
+        adding back where that is a CUDA graph)."""
         if self._group is not None:
-            self._group.finish(rows, scale, selection.triton_backend().kernels)
+            self._group.finish(rows, scale, selection.triton_backend().kernels, beside)
             return
         start = 0
         for m, backend in zip(self.members, self._backends):
@@ -341,6 +356,8 @@ class BucketSelection:
             decompress_tensor(backend, rows[:, start:end].contiguous().view(-1), self.world_size, m.layout,
                               m.wire_dtype, scale, m.flat)
             start = end
+        if beside is not None:
+            beside[1]()
 
 
 class SteadySelection:
@@ -366,13 +383,15 @@ class SteadySelection:
             return False
         return all(record.residual is residual for _, record, _, residual, _, _ in self._members)
 
-    def run(self, state: Any, buffer: torch.Tensor) -> BucketSelection:
+    def run(self, state: Any, buffer: torch.Tensor, beside: Optional[Beside] = None) -> BucketSelection:
+        """The selection over this step's ``buffer``, with ``beside``'s work (its result: :attr:`beside`)."""
         done = BucketSelection.__new__(BucketSelection)
         done.world_size, done._backends = self.world_size, self._backends
         done.members = [GroupMember(name, record, buffer[a:b], residual, layout, wire)
                         for name, record, (a, b), residual, layout, wire in self._members]
         span = buffer[self._span[0]:self._span[1]] if self._span is not None else None
         done._group = state._group_selection().select_in(self._key, self._found, done.members, state, span,
-                                                         find_span=False)
+                                                         find_span=False, beside=beside)
         done.payload = done._group.payload
+        done.beside = done._group.beside
         return done

@@ -60,7 +60,7 @@ class BucketStep:
         if steady is not None:  # the same bucket as last step in every respect: its kept work, not member by member
             self.selection = steady.run(state, buffer)
             self.payload = self.selection.payload
-            self.dense = torch.cat(steady.dense_views(buffer)).div_(world_size) if steady.dense_ranges else None
+            self.dense = self.selection.beside
             return
         self._full_step(state, plan, buffer, shapes, world_size)
         if slot is not None:  # what a later step of this bucket can reuse (torch.steady_bucket), or nothing
@@ -125,20 +125,26 @@ class BucketStep:
         """Write the bucket's averaged gradients over the buffer from the allgather of every rank's payload
         (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, and the sparse allreduce's
         allgather of the owners' kept sums (``owners``); returns the buffer."""
+        copy_back = None
+        if dense_sum is not None and not self.all_dense:  # one batched copy (one multi-tensor kernel on CUDA)
+            dense, buffer = self.plan.dense, self.buffer
+            copy_back = ((dense_sum.data_ptr(), buffer.data_ptr(), tuple((m.offset, m.end) for m in dense)),
+                         lambda: torch._foreach_copy_([buffer[m.offset:m.end] for m in dense],
+                                                      list(dense_sum.split([m.numel for m in dense]))))
         if self.selection is not None:
             assert gathered is not None and self.payload is not None
             per_rank = self.payload.numel()
             if gathered.numel() != per_rank * self.world_size:
                 raise ValueError(f"horovod-topk: the bucket {self.plan.name!r} received {gathered.numel()} bytes, "
                                  f"this rank expects {self.world_size} x {per_rank}: ranks disagree about it")
-            self.selection.finish(gathered.view(self.world_size, per_rank), self.scale)
+            # the dense members' copy back goes with the adding back (one CUDA graph, where that is one)
+            self.selection.finish(gathered.view(self.world_size, per_rank), self.scale, copy_back)
+            copy_back = None
         if self.sparse is not None:
             assert owners is not None
             rows = self.sparse.gathered_rows(owners)
             for i in range(len(self.sparse.requests)):
                 self.sparse.apply(i, rows)  # written over the member's slice of the buffer
-        if dense_sum is not None and not self.all_dense:  # one batched copy (one multi-tensor kernel on CUDA)
-            dense = self.plan.dense
-            torch._foreach_copy_([self.buffer[m.offset:m.end] for m in dense],
-                                 list(dense_sum.split([m.numel for m in dense])))
+        if copy_back is not None:
+            copy_back[1]()
         return self.buffer

@@ -40,6 +40,7 @@ class SteadyBucket:
         self.dense_ranges = [(m.offset, m.end) for m in plan.dense]
         #: (record, bytes sent, place) of each dense member: their leftovers go out if they ever hold a residual
         self.dense = [(records[m.name], m.numel * itemsize, place) for m, place in zip(plan.dense, self.dense_ranges)]
+        self._dense_key = ("dense", tuple(self.dense_ranges), world_size)
         self.selection = selection.steady_part(plan)
         self.sent = [m.layout.nbytes for m in selection.members]
 
@@ -61,7 +62,9 @@ class SteadyBucket:
         return self.selection.still_valid(state)
 
     def run(self, state: Any, buffer: torch.Tensor) -> Any:
-        """The step's bookkeeping and selection; returns the bucket's BucketSelection."""
+        """The step's bookkeeping and selection; returns the bucket's BucketSelection, whose ``beside`` holds the
+        dense members' gradients divided by the world size, gathered for their allreduce (or None if none): work on
+        the same buffer, so recorded with the selection where that is a CUDA graph."""
         for record, nbytes in zip(self.records, self.member_nbytes):
             record.steps += 1
             record.bytes_dense += nbytes
@@ -71,7 +74,12 @@ class SteadyBucket:
                 state._send_leftovers(record, buffer[a:b])
         for record, nbytes in zip(self.selection.records, self.sent):
             record.bytes_sent += nbytes
-        return self.selection.run(state, buffer)
+        beside = None
+        if self.dense_ranges:
+            world_size = self.world_size
+            beside = ((*self._dense_key, buffer.data_ptr()),
+                      lambda: torch.cat(self.dense_views(buffer)).div_(world_size))
+        return self.selection.run(state, buffer, beside)
 
     def dense_views(self, buffer: torch.Tensor) -> list:
         """The dense members' slices of ``buffer``, in plan order."""

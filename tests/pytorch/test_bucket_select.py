@@ -56,8 +56,9 @@ def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=N
         assert all(w.selection is not None and w.selection.grouped == grouped for w in work)
         gathered = torch.cat([w.payload for w in work])
         dense = sum(w.dense for w in work) if work[0].dense is not None else None
-        # each rank's allgather lands where its step asks (the group's own buffer under CUDA graphs)
-        outputs = [w.finish(w.gathered_buffer().copy_(gathered), dense.clone() if dense is not None else None)
+        # as the collectives do it: each rank's allgather lands where its step asks (the group's own buffer under
+        # CUDA graphs), and the dense sum is written over the step's own dense tensor (an in-place allreduce)
+        outputs = [w.finish(w.gathered_buffer().copy_(gathered), w.dense.copy_(dense) if dense is not None else None)
                    for w in work]
         residuals = [{name: s.registry.records[name].residual.clone() for name, _ in layout
                       if s.registry.records[name].residual is not None} for s in states]
@@ -204,12 +205,15 @@ def test_cuda_graphs_replay_the_same_steps(members, steady, monkeypatch):
     the payloads, residuals, averages and non-finite counts are those of member-by-member selection, through a NaN,
     a load and rebuilt buckets."""
     monkeypatch.setenv("HOROVOD_TOPK_CUDA_GRAPHS", "1")
-    graphed, states = _run(members, True, monkeypatch, {"ratio": 0.02}, steps=7, nan_at=3, load_at=4,
+    # four steps after the rebuild: a steady bucket's work (its dense members ride along) is keyed apart from a
+    # full step's, so after a full step it is seen once, recorded, then replayed
+    graphed, states = _run(members, True, monkeypatch, {"ratio": 0.02}, steps=9, nan_at=3, load_at=4,
                            rebuild_at=5, fixed=True, steady=steady)
-    alone, alone_states = _run(members, False, monkeypatch, {"ratio": 0.02}, steps=7, nan_at=3, load_at=4,
+    alone, alone_states = _run(members, False, monkeypatch, {"ratio": 0.02}, steps=9, nan_at=3, load_at=4,
                                rebuild_at=5, fixed=True, steady=steady)
     _assert_same(graphed, alone)
     assert all(s._group_selection().replays() > 0 for s in states)
-    assert all(s._group_selection().finish_replays() > 0 for s in states)
+    if steady or members is ADJACENT:  # a full step's dense sum is a new tensor each step, so its address may move
+        assert all(s._group_selection().finish_replays() > 0 for s in states)
     assert ([[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in states]
             == [[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in alone_states])
