@@ -1,4 +1,5 @@
-"""A bucket's grouped selection replayed as one CUDA graph (opt-in: ``HOROVOD_TOPK_CUDA_GRAPHS=1``).
+"""A bucket's grouped selection, and its adding back, each replayed as one CUDA graph (opt-in:
+``HOROVOD_TOPK_CUDA_GRAPHS=1``).
 
 Why: on a GPU the grouped selection's time is the host's, not the device's. One bucket is ~12 Triton launches and
 ~10 small torch operations, each tens of microseconds of Python and driver work, while the kernels themselves take
@@ -9,6 +10,9 @@ writes the residuals, a payload and the group's non-finite counts, all at fixed 
 (group, addresses of the gradients and residuals): a bucket rebuilt or a residual moved gets a new one, so a replay
 never reads stale memory. Its outputs are the graph's own buffers, overwritten by the next replay: the payload is
 read by the bucket's allgather, which completes before the next step's backward (DDP waits for every bucket).
+The adding back (torch.bucket_select) is recorded per (gathered rows, gradients, scale): the rows are the group's own
+allgather destination, the same buffer every step, and its P launches (one per rank) become one. A steady DDP
+bucket's dense members ride along: gathered with the selection, copied back with the adding back.
 
 Recording happens on the second step a group is seen (the first runs eagerly: it compiles the Triton kernels and
 adopts the residuals); recording synchronises the device once, so it is a first-steps cost, never a steady-state
