@@ -159,8 +159,12 @@ class GroupSelection:
         names = set(key[0])
         for stale in [k for k in self._groups if k[:2] != key[:2] and names.intersection(k[0])]:
             del self._groups[stale]
-        # a buffer of the same members under other k's (a warm-up) is the same residuals: reuse it
+        # a buffer of the same members under other k's (a warm-up) is the same residuals: reuse it; their
+        # allgather destinations are another size and not wanted again
         buffer = next((g.residuals for k, g in self._groups.items() if k[:2] == key[:2] and k[3] == device), None)
+        for k, g in self._groups.items():
+            if k[:2] == key[:2]:
+                g._gathered = None
         if buffer is None:
             buffer = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         group = self._groups[key] = _Group(layout, buffer, torch.zeros(len(members), dtype=torch.int64,
@@ -208,16 +212,21 @@ class GroupSelection:
             grads = span if span is not None else torch.cat([m.flat for m in members])
             payload, nonfinite = kernels.compensate_and_select(grads, residuals, group, members[0].wire_dtype)
             found.counts.add_(nonfinite)  # every member's record reads its own element: one launch per bucket
-            return (payload,) if beside is None else (payload, beside[1]())
+            return (payload,) if beside is None or not graphed else (payload, beside[1]())
 
+        graphed = group_graphs.enabled(device)
         with selection.on_device(device):
-            if group_graphs.enabled(device):
+            if graphed:
                 addresses = ((residuals.data_ptr(), span.data_ptr()) if span is not None else
                              (residuals.data_ptr(), *(m.flat.data_ptr() for m in members)))
                 outputs = found.graphs.run(addresses + (beside[0] if beside is not None else None,), work, device)
             else:
                 outputs = work()
+        # the selection's time alone (the auto density reads it); under graphs one replay does both
         state._selected_group([m.record for m in members], group.numels, time.perf_counter() - started)
+        if beside is not None and not graphed:
+            with selection.on_device(device):
+                outputs = (outputs[0], beside[1]())
         return SelectedGroup(group, members, outputs[0], span, key, found, outputs[1] if beside is not None else None)
 
 
@@ -242,7 +251,9 @@ class _Group:
     def gathered(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The group's allgather destination of ``nbytes``, the same buffer every step (so a recorded adding back
         can replay over it). Reusing it is safe in stream order: a step's collective writes it only after the
-        previous step's adding back, queued before it on the same stream, has read it."""
+        previous step's adding back, queued before it on the same stream, has read it (the DDP hook's adding back
+        runs inline on the hook's stream: NCCL's futures are complete when launched; ProcessGroupNCCL makes its
+        stream wait for that one at each collective)."""
         held = self._gathered
         if held is None or held.numel() != nbytes or held.device != device:
             held = self._gathered = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -137,9 +137,13 @@ class BucketStep:
             if gathered.numel() != per_rank * self.world_size:
                 raise ValueError(f"horovod-topk: the bucket {self.plan.name!r} received {gathered.numel()} bytes, "
                                  f"this rank expects {self.world_size} x {per_rank}: ranks disagree about it")
-            # the dense members' copy back goes with the adding back (one CUDA graph, where that is one)
-            self.selection.finish(gathered.view(self.world_size, per_rank), self.scale, copy_back)
-            copy_back = None
+            # The dense members' copy back goes with the adding back (one CUDA graph, where that is one) only when
+            # their sum lies in the selection's own output, the same address every step: a full step's sum is a
+            # new tensor each time, and keyed by its address it would record a graph again and again.
+            with_it = copy_back if copy_back is not None and dense_sum is self.selection.beside else None
+            self.selection.finish(gathered.view(self.world_size, per_rank), self.scale, with_it)
+            if with_it is not None:
+                copy_back = None
         if self.sparse is not None:
             assert owners is not None
             rows = self.sparse.gathered_rows(owners)

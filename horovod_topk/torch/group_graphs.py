@@ -85,8 +85,8 @@ class GroupGraphs:
                 outputs = work()
         except Exception as err:  # noqa: BLE001 -- any failure leaves the eager path, which is always correct
             self._failed.add(key)
-            warnings.warn(f"horovod-topk: recording a bucket's selection as a CUDA graph failed ({err!r}); this "
-                          f"bucket runs without a graph", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"horovod-topk: recording a bucket's work as a CUDA graph failed ({err!r}); this "
+                          f"work runs without a graph", RuntimeWarning, stacklevel=3)
             return None
         if len(self._graphs) >= self._KEPT:
             self._graphs.pop(next(iter(self._graphs)))
