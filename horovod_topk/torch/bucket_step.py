@@ -128,9 +128,10 @@ class BucketStep:
         copy_back = None
         if dense_sum is not None and not self.all_dense:  # one batched copy (one multi-tensor kernel on CUDA)
             dense, buffer = self.plan.dense, self.buffer
-            copy_back = ((dense_sum.data_ptr(), buffer.data_ptr(), tuple((m.offset, m.end) for m in dense)),
-                         lambda: torch._foreach_copy_([buffer[m.offset:m.end] for m in dense],
-                                                      list(dense_sum.split([m.numel for m in dense]))))
+
+            def copy_back() -> None:
+                torch._foreach_copy_([buffer[m.offset:m.end] for m in dense],
+                                     list(dense_sum.split([m.numel for m in dense])))
         if self.selection is not None:
             assert gathered is not None and self.payload is not None
             per_rank = self.payload.numel()
@@ -140,15 +141,17 @@ class BucketStep:
             # The dense members' copy back goes with the adding back (one CUDA graph, where that is one) only when
             # their sum lies in the selection's own output, the same address every step: a full step's sum is a
             # new tensor each time, and keyed by its address it would record a graph again and again.
-            with_it = copy_back if copy_back is not None and dense_sum is self.selection.beside else None
-            self.selection.finish(gathered.view(self.world_size, per_rank), self.scale, with_it)
-            if with_it is not None:
+            with_it = None
+            if copy_back is not None and dense_sum is self.selection.beside:  # its graph's key, built only here
+                places = tuple((m.offset, m.end) for m in self.plan.dense)
+                with_it = ((dense_sum.data_ptr(), self.buffer.data_ptr(), places), copy_back)
                 copy_back = None
+            self.selection.finish(gathered.view(self.world_size, per_rank), self.scale, with_it)
         if self.sparse is not None:
             assert owners is not None
             rows = self.sparse.gathered_rows(owners)
             for i in range(len(self.sparse.requests)):
                 self.sparse.apply(i, rows)  # written over the member's slice of the buffer
         if copy_back is not None:
-            copy_back[1]()
+            copy_back()
         return self.buffer
