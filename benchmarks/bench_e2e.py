@@ -35,7 +35,7 @@ METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
 #: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
 EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto", "update0.01",
-                 "update-calibrated0.01"]
+                 "update-calibrated0.01", "compact0.1", "update-compact-calibrated0.1"]
 MODELS = ["mlp", "digits", "charlm", "gptlm"]
 
 
@@ -83,10 +83,15 @@ def compression_for(method: str):
         return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
     if method == "auto":  # ratio="auto" with its defaults (budget 0.1)
         return TopKEF(ratio="auto", target="gradient")
-    if method.startswith("update"):  # update mode: each rank's own optimizer steps, its update travels
-        calibrated = method.startswith("update-calibrated")  # the default for Adam (its noise-share sketch added)
-        ratio = float(method[len("update-calibrated" if calibrated else "update"):])
-        return TopKEF(ratio=ratio, target="update", second_moment="calibrated" if calibrated else "local")
+    if method.startswith(("update", "compact")):  # benchmarks/convergence.py's names for the same settings
+        # update mode: each rank's own optimizer steps, its update travels; "calibrated" is the default for Adam
+        # (its noise-share sketch added); "compact": 16-bit indices and float8 values, 3 bytes per entry
+        ratio = float(method.lstrip("abcdefghijklmnopqrstuvwxyz-"))
+        encoding = dict(index_bits=16, value_dtype="float8") if "compact" in method else {}
+        if not method.startswith("update"):
+            return TopKEF(ratio=ratio, target="gradient", **encoding)
+        return TopKEF(ratio=ratio, target="update", second_moment="calibrated" if "calibrated" in method else "local",
+                      **encoding)
     ratio, _, exchange = method[len("topk"):].partition("-")
     return TopKEF(ratio=float(ratio), exchange=exchange or "auto", target="gradient")  # gradient mode, named
 

@@ -19,7 +19,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -450,11 +450,13 @@ class Diagnosis:
 
 
 def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel: int = 1024,
-        diagnose: bool = False) -> dict:
+        diagnose: bool = False, overrun: float = 1.0) -> dict:
     """One simulated run. ``spec`` is a method (make_method), then optionally, in this order, '+flush:T:BITS',
     '+drip:CAP', '+sched:F:H', '@dense=a,b' and '@boost=NAME:F'. '@dense=a,b': parameters
     whose names contain a or b go dense (a diagnosis of which tensors the compression hurts). ``diagnose``:
-    per-tensor numbers (Diagnosis) in the result's "diagnosis"."""
+    per-tensor numbers (Diagnosis) in the result's "diagnosis". ``overrun``: go on to ``overrun x steps`` with the
+    schedule's last rate, as benchmarks/convergence.py runs compressed methods, so that steps to dense's target can be
+    read past a schedule that ends at the budget; "final" stays the loss at ``steps``."""
     spec_head, _, boost = spec.partition("@boost=")
     method_spec, _, extra = spec_head.partition("@dense=")
     # '+late' (after '+update:VARIANT'): the averaged update of step t is applied after step t + 1's backward, so
@@ -508,7 +510,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     curve: List[float] = []
     evals: List[int] = []
     start = time.perf_counter()
-    for step in range(1, steps + 1):
+    total = max(steps, int(overrun * steps))
+    for step in range(1, total + 1):
         step_scale = high if step <= front * steps else low
         grads = []
         for w in range(workers):
@@ -565,17 +568,23 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                     in_flight = [p.grad.clone() for p in params]
                 for p, update in zip(params, arrived):
                     p.sub_(update)
-        if sched is not None:
+        if sched is not None and step < steps:  # past the budget the rate stays at the schedule's last
             sched.step()
-        if step % task.eval_every == 0 or step == steps:
+        if step % task.eval_every == 0 or step in (steps, total):
             curve.append(task.validate(model))
             evals.append(step)
-    result = {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve, "final": curve[-1],
+    result = {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve,
+              "final": curve[evals.index(steps)],
               "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start,
               "corpus": task.source, "device": task.device}
     if diagnosis is not None:
         result["diagnosis"] = diagnosis.summary(names, steps)
     return result
+
+
+def steps_to(result: dict, target: float) -> Optional[int]:
+    """The first evaluated step whose validation loss is at most ``target`` (None: not within the run)."""
+    return next((step for step, loss in zip(result["evals"], result["valid"]) if loss <= target), None)
 
 
 def main() -> None:
@@ -594,6 +603,9 @@ def main() -> None:
     parser.add_argument("--diagnose", action="store_true",
                         help="per compressed tensor: share of coordinates ever applied, steps between arrivals, "
                              "staleness at the end, residual norm / applied norm")
+    parser.add_argument("--overrun", type=float, default=1.0,
+                        help="run this many times --steps (the schedule's last rate past --steps) and print the steps "
+                             "to 1.01x the final loss of dense's run of the same seed in --out, where there is one")
     args = parser.parse_args()
     torch.set_num_threads(1)
     # update mode steps its own Adam: the task's optimizer only carries the schedule's rates, never steps
@@ -609,19 +621,26 @@ def main() -> None:
     tag = "" if args.weight_decay is None else f"-wd{args.weight_decay:g}"
     tag += "" if args.lr_scale is None else f"-lr{args.lr_scale:g}"
     tag += "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"  # results of another device apart
+    overrun = "" if args.overrun == 1.0 else f"-x{args.overrun:g}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for spec in args.methods:
         for seed in args.seeds:
             diag = "-diag" if args.diagnose else ""
-            path = out / f"{args.task}{tag}-{args.steps}-{spec.replace(':', '_')}-{seed}{diag}-p{args.workers}.json"
+            name = f"{args.task}{tag}-{args.steps}-{spec.replace(':', '_')}-{seed}{diag}"
+            path = out / f"{name}{overrun}-p{args.workers}.json"
             if path.exists():
                 r = json.loads(path.read_text())
             else:
-                r = run(task, spec, seed, args.steps, args.workers, diagnose=args.diagnose)
+                r = run(task, spec, seed, args.steps, args.workers, diagnose=args.diagnose, overrun=args.overrun)
                 path.write_text(json.dumps(r))
             print(f"{args.task}{tag} {args.steps} {spec:<22} seed {seed}: valid {r['final']:.4f}  bytes "
                   f"{100 * r['bytes_fraction']:.2f}% of dense  ({r['seconds']:.0f} s)", flush=True)
+            dense_path = out / f"{args.task}{tag}-{args.steps}-dense-{seed}-p{args.workers}.json"
+            if overrun and dense_path.exists():
+                dense = json.loads(dense_path.read_text())
+                print(f"    steps to 1.01x dense's final loss: {steps_to(r, 1.01 * dense['final'])}, dense's own: "
+                      f"{steps_to(dense, 1.01 * dense['final'])}", flush=True)
             for d in r.get("diagnosis", []):
                 print(f"    {d['tensor']:<28} {d['numel']:>8}  ever applied {100 * d['ever_applied']:5.1f}%  "
                       f"steps between arrivals: median {d['wait_median']:.0f}, p90 {d['wait_p90']:.0f}, "
