@@ -22,7 +22,7 @@ reverse parameter order, so the names are the same on every rank and in every jo
 This module imports no Horovod: a DDP user needs torch and horovod-topk only.
 
 ``ratio="auto"`` chooses the density from the job's own measurements as under Horovod (core.autodensity); the
-hook's probes and step clock are torch.ddp_auto's. ``target="update"`` (each rank steps its own optimizer, the
+hook's probes and step clock are torch.ddp_auto's (in update mode the clock is the optimizer's step). ``target="update"`` (each rank steps its own optimizer, the
 updates travel) takes the hook and the optimizer together: torch.ddp_update.
 
 The sparse allreduce's alltoall is waited for inside the hook (its owners' sums must be computed before their
@@ -77,10 +77,6 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
     ) -> None:
         super().__init__(ratio, **kwargs)
         config = self.config
-        if config.target == "update" and config.auto:
-            raise ValueError("horovod-topk: ratio='auto' with target='update' is not available in the DDP hook (its "
-                             "clock times gradient buckets, and update mode exchanges after the step); give a ratio, "
-                             "or use Horovod's hvd.DistributedOptimizer for both")
         #: "update" where the hook holds the gradients for update mode's optimizer (target="update", or "auto" once
         #: update_mode_optimizer resolved it for an Adam optimizer: torch.ddp_update), else "gradient".
         self.target = "update" if config.target == "update" else "gradient"

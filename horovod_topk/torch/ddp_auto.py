@@ -12,6 +12,10 @@ under Horovod; what only the hook can do is say where a step begins and what it 
   the optimizer may step, the twin of Horovod's ``synchronize()``. The selection's time inside the hook is
   counted as compression (torch.state), so it is not counted twice.
 
+**Update mode** (torch.ddp_update) exchanges after the local step, not from the hook: there a step begins where
+the optimizer's ``step()`` starts planning its updates (:func:`begin_update_step`, every rank at the same step), and
+the wait is its wait for the updates' collectives, as under Horovod's update mode.
+
 **CPU buckets only.** The wait is timed on the host from the collectives' futures. On CUDA (NCCL) a collective's
 future completes when its work is queued on a stream, not when it is done, so a host timer would read every wait as
 zero, every dense window as fully hidden behind backward, and auto would stay dense for the wrong reason. Until the
@@ -31,7 +35,7 @@ from ..core.autodensity import AutoDensity, Measurement
 from .selection import select_seconds_per_entry
 from .dist_collectives import all_gather_single
 
-__all__ = ["DistProbes", "measure", "BucketClock"]
+__all__ = ["DistProbes", "measure", "BucketClock", "begin_update_step", "require_cpu"]
 
 
 @dataclass
@@ -79,6 +83,31 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], group: Any, d
     return linkprobe.measure(auto, tensors, DistProbes(group, device, selector), dist.get_world_size(group))
 
 
+def require_cpu(device: torch.device) -> None:
+    """Refuse ratio="auto" on tensors off the CPU (module docstring: their waits cannot be timed on the host);
+    raised on every rank alike, before any collective of the step."""
+    if device.type != "cpu":
+        raise ValueError("horovod-topk: ratio='auto' in the DDP hook needs CPU buckets (Gloo): on CUDA a "
+                         "collective's future completes when it is queued, so the step's wait cannot be timed "
+                         "on the host. Pass a fixed ratio to TopKEFState on GPUs, or use ratio='auto' through "
+                         "Horovod's hvd.DistributedOptimizer.")
+
+
+def _begin(state: Any, group: Any, device: torch.device, now: float) -> None:
+    """A new step of ``state``'s compressor begins at ``now``: decide first where a decision is due."""
+    auto = state.auto
+    if auto.begin(auto.step + 1, now):
+        state._auto_decide(measure(auto, state._auto_tensors(), group, device, state.config.selector),
+                           dist.get_rank(group))
+
+
+def begin_update_step(state: Any, group: Any, device: torch.device) -> None:
+    """Update mode's optimizer step begins (before its updates are planned): the last step's measurement closes,
+    and where a decision is due the probes run and the density in force for this step's plans is decided."""
+    require_cpu(device)
+    _begin(state, group, device, time.perf_counter())
+
+
 class BucketClock:
     """Where a step begins and what it waited for, from the buckets DDP hands the hook (module docstring)."""
 
@@ -101,20 +130,13 @@ class BucketClock:
         """A bucket reached the hook, before it is planned: at bucket 0, close the last step and decide if due."""
         if bucket.index() != 0:
             return
-        if bucket.buffer().device.type != "cpu":
-            raise ValueError("horovod-topk: ratio='auto' in the DDP hook needs CPU buckets (Gloo): on CUDA a "
-                             "collective's future completes when it is queued, so the step's wait cannot be timed "
-                             "on the host. Pass a fixed ratio to TopKEFState on GPUs, or use ratio='auto' through "
-                             "Horovod's hvd.DistributedOptimizer.")
+        device = bucket.buffer().device
+        require_cpu(device)
         now = time.perf_counter()
-        auto = state.auto
         if self.done > self.ready > 0.0:
-            auto.waited(self.done - self.ready)
+            state.auto.waited(self.done - self.ready)
         self.ready = self.done = 0.0
-        if auto.begin(auto.step + 1, now):
-            device = bucket.buffer().device
-            state._auto_decide(measure(auto, state._auto_tensors(), group, device, state.config.selector),
-                               dist.get_rank(group))
+        _begin(state, group, device, now)
 
     def launched(self, bucket: Any, future: torch.futures.Future) -> torch.futures.Future:
         """``future`` (the bucket's result), its completion stamped; the last bucket's launch is stamped too."""

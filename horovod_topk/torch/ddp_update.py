@@ -18,7 +18,8 @@ A communication hook sees gradients and never the step, so update mode takes two
    the sketches), then the updates in buckets of ``bucket_bytes`` (in name order, the same on every rank) through
    the hook's own executor (torch.bucket_step + ddp.launch: one selection and one allgather or sparse allreduce per
    bucket, the small tensors in one allreduce), and every rank subtracts the same averaged update: bit-identical
-   parameters.
+   parameters. With ``ratio="auto"`` this is where a step begins for its clock (torch.ddp_auto: a decision due is
+   taken before the updates are planned) and what it waits for.
 
 Residuals are keyed ``update.<parameter name>`` in the hook's state, apart from gradient residuals, so that
 ``state.state_dict()`` per rank (with each rank's ``optimizer.state_dict()``: update mode's optimizer states differ
@@ -26,6 +27,7 @@ per rank) resumes exactly. This module imports no Horovod.
 """
 from __future__ import annotations
 
+import time
 import types
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.update_mode import NONFINITE_NAME, resolve_target, update_tensor_name
+from . import ddp_auto
 from .bucket_step import BucketStep
 from .local_updates import LocalUpdates
 
@@ -154,9 +157,14 @@ class DDPUpdateStep:
 
     def _exchange_and_apply(self, entries: List[Tuple[str, torch.nn.Parameter]],
                             updates: List[torch.Tensor]) -> None:
-        """The updates through the hook's bucket executor; every rank subtracts the same averaged update."""
+        """The updates through the hook's bucket executor; every rank subtracts the same averaged update. With
+        ratio="auto" the step's clock starts here (torch.ddp_auto: a decision due is taken before any plan) and its
+        wait is the wait for these collectives."""
         from .ddp import _check_agreement, launch
 
+        auto = self.state.auto
+        if auto is not None:
+            ddp_auto.begin_update_step(self.state, self.group, entries[0][1].device)
         world_size = dist.get_world_size(self.group)
         launched = []
         for positions in self._buckets(entries):
@@ -169,6 +177,7 @@ class DDPUpdateStep:
                 self.state._verified.add(plan.name)
             step = BucketStep(self.state, plan, buffer, shapes, world_size)
             launched.append((positions, launch(self.state, step, self.group)))
+        waiting = time.perf_counter()
         with torch.no_grad():
             for positions, future in launched:
                 averaged = future.wait()
@@ -177,20 +186,21 @@ class DDPUpdateStep:
                     p = entries[i][1]
                     p.sub_(averaged[at:at + p.numel()].view_as(p).to(p.dtype))
                     at += p.numel()
+        if auto is not None:
+            auto.waited(time.perf_counter() - waiting)
 
 
 def update_mode_optimizer(optimizer: torch.optim.Optimizer, state: Any) -> torch.optim.Optimizer:
     """Make ``optimizer`` (over the DDP model's parameters) take update mode's step with the hook's ``state``
     (registered with ``topk_ef_hook``); returns the same object. With ``TopKEFState(target="update")`` always; with
     ``target="auto"`` (the default) where core.update_mode.resolve_target picks update mode for this optimizer
-    (Adam/AdamW; not with ratio="auto", which the hook measures on gradient buckets) -- otherwise the optimizer is
+    (Adam/AdamW) -- otherwise the optimizer is
     returned as it is and the hook keeps averaging gradients. Call it before the first backward (the hook decides
     per bucket what to do with the gradients) and before building a learning-rate scheduler on the optimizer
     (schedulers wrap ``optimizer.step``)."""
     if state.config.target == "auto" and state.target != "update":
         user_class = type(optimizer)
-        blockers = ["ratio='auto'"] if state.config.auto else []
-        if resolve_target(state.config, f"{user_class.__module__}.{user_class.__qualname__}", blockers) != "update":
+        if resolve_target(state.config, f"{user_class.__module__}.{user_class.__qualname__}") != "update":
             return optimizer
         if any(record.steps for _, record in state.registry):
             raise ValueError("horovod-topk: update_mode_optimizer must wrap the optimizer before the first backward: "

@@ -10,10 +10,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from horovod_topk.torch import ddp_auto
-from horovod_topk.torch.ddp import TopKEFState
+from horovod_topk.torch.ddp import TopKEFState, update_mode_optimizer
 from tests import auto_links
 from tests.auto_links import FIRST_DECISION
 
+from .update_workers import BETAS, EPS, LR, logged_step
 from .workers import all_equal_across_ranks, ddp_of, flat_params, make_model, recording_hook, train_step
 
 #: Scripts of the link by name (a spawned worker receives names, not closures): measurement by decision step.
@@ -43,18 +44,40 @@ def scripted(name: Optional[str], rank: int = 0) -> List[int]:
     return decided
 
 
-def measured(rank: int, world_size: int) -> Dict[str, Any]:
-    """No script: the real probes decide; every rank must hold the same history and parameters."""
+def measured(rank: int, world_size: int, target: str = "gradient") -> Dict[str, Any]:
+    """No script: the real probes decide; every rank must hold the same history and parameters. ``target="auto"``:
+    the default, which puts the Adam optimizer in update mode (the optimizer's step is then the clock)."""
     model = make_model()
-    state = TopKEFState(ratio="auto", min_numel=64, auto_every=6, named_parameters=model.named_parameters())
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=6, named_parameters=model.named_parameters(),
+                        target=target)
     ddp = ddp_of(model, state, bucket_cap_mb=0.3)
     opt = torch.optim.Adam(model.parameters(), 1e-2)
+    opt = opt if target == "gradient" else update_mode_optimizer(opt, state)
     history = []
     for step in range(FIRST_DECISION + 14):
         train_step(ddp, opt, rank, step)
         history.append(state.auto.ratio)
     auto = state.stats()["auto"]
-    return {"history": history, "decisions": auto["decisions"], "last": auto["last"],
+    return {"history": history, "decisions": auto["decisions"], "last": auto["last"], "target": state.target,
+            "same": all_equal_across_ranks(flat_params(model))}
+
+
+def update_invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
+    """Update mode (Adam) under a scripted link, float64: per step update_workers.logged_step's record of every
+    compressed update, the density per step, the decision steps, the bytes sent per step."""
+    decided = scripted(script)
+    model = make_model(torch.float64)
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=FIRST_DECISION, target="update",
+                        named_parameters=model.named_parameters(), bucket_bytes=20_000)
+    ddp = ddp_of(model, state, bucket_cap_mb=0.3)
+    opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
+    log, ratios, sent = [], [], []
+    for step in range(4 * FIRST_DECISION):
+        before = state.stats()["bytes_sent"]
+        log.append(logged_step(model, state, ddp, opt, rank, step, torch.float64))
+        ratios.append(state.auto.ratio)
+        sent.append(state.stats()["bytes_sent"] - before)
+    return {"log": log, "ratios": ratios, "sent": sent, "decided": decided,
             "same": all_equal_across_ranks(flat_params(model))}
 
 
@@ -81,16 +104,19 @@ def invariant(rank: int, world_size: int, script: str, micro_batches: int = 1,
             "same": all_equal_across_ranks(params)}
 
 
-def resume(rank: int, world_size: int) -> Dict[str, Any]:
+def resume(rank: int, world_size: int, target: str = "gradient") -> Dict[str, Any]:
     """3 x FIRST_DECISION steps straight, against a checkpoint (model, optimizer, TopKEFState) taken while sparse,
-    loaded into fresh objects that run the rest."""
+    loaded into fresh objects that run the rest (``target="update"``: each rank's own optimizer state)."""
     scripted("slow_then_sparse_slower")
     save_at, end = FIRST_DECISION + 3, 3 * FIRST_DECISION
 
     def fresh():
         model = make_model()
-        state = TopKEFState(ratio="auto", min_numel=64, auto_every=5, named_parameters=model.named_parameters())
-        return model, state, ddp_of(model, state, bucket_cap_mb=0.3), torch.optim.Adam(model.parameters(), 1e-2)
+        state = TopKEFState(ratio="auto", min_numel=64, auto_every=5, named_parameters=model.named_parameters(),
+                            target=target)
+        opt = torch.optim.Adam(model.parameters(), 1e-2)
+        opt = opt if target == "gradient" else update_mode_optimizer(opt, state)
+        return model, state, ddp_of(model, state, bucket_cap_mb=0.3), opt
 
     model, state, ddp, opt = fresh()
     saved: Dict[str, Any] = {}

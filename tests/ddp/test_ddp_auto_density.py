@@ -10,11 +10,14 @@ from tests.auto_links import FIRST_DECISION
 
 from . import auto_workers, harness
 from .test_ddp_hook import _check_invariant
+from .test_ddp_update_mode import check_update_invariant
 
 
-def test_measured_decisions_are_the_same_on_every_rank():
-    results = harness.run(auto_workers.measured, 2)
+@pytest.mark.parametrize("target", ["gradient", "auto"])  # "auto": update mode for the Adam optimizer
+def test_measured_decisions_are_the_same_on_every_rank(target):
+    results = harness.run(auto_workers.measured, 2, target)
     assert all(r["same"] for r in results)
+    assert all(r["target"] == ("update" if target == "auto" else "gradient") for r in results)
     assert results[0]["decisions"] >= 2
     assert results[0]["history"][:FIRST_DECISION] == [None] * FIRST_DECISION  # dense while measuring
     for r in results[1:]:
@@ -53,8 +56,36 @@ def test_error_feedback_stays_exact_through_every_change_of_density(world_size, 
     assert all(len(bytes_) == 1 for bytes_ in by_ratio.values()), by_ratio  # the density in force decides the bytes
 
 
-def test_checkpoint_resumes_exactly_with_the_density_in_force():
-    results = harness.run(auto_workers.resume, 2)
+def test_update_mode_keeps_error_feedback_exact_through_every_change_of_density():
+    """Update mode (Adam), the density decided at the optimizer's step: per step and compressed update, the ranks'
+    residuals + P x applied == their old residuals + local updates, through dense -> sparse -> dense -> sparse (a
+    turn to dense sends each residual's leftovers with the update); identical parameters; the bytes follow the
+    density in force."""
+    world_size = 2
+    results = harness.run(auto_workers.update_invariant, world_size, "changes")
+    assert all(r["same"] for r in results)
+    ratios = results[0]["ratios"]
+    assert all(r["ratios"] == ratios and r["decided"] == results[0]["decided"] for r in results)
+    changes = [(i, r) for i, r in enumerate(ratios) if i and r != ratios[i - 1]]
+    assert ratios[0] is None and len(changes) >= 3, changes
+    assert changes[0][0] == FIRST_DECISION  # decided at that step's optimizer step, which ran sparse
+    assert any(r is None for _, r in changes[1:]), changes
+    # every step from the first sparse one on is checked (dense ones included: their residuals exist by then)
+    assert all(results[0]["log"][i]["new"] for i in range(FIRST_DECISION, len(ratios)))
+    assert check_update_invariant(results, world_size, steps=len(ratios)) > 0  # the tolerance of the fixed ratio's test
+    sent, by_ratio = results[0]["sent"], {}
+    for i, ratio in enumerate(ratios):
+        by_ratio.setdefault(ratio, set()).add(sent[i])
+    assert all(len(bytes_) == 1 for bytes_ in by_ratio.values()), by_ratio  # the density in force decides the bytes
+    for ratio, (bytes_,) in by_ratio.items():
+        # dense: every update (leftovers inside the same bytes); a density: at most 2 x ratio of them (an entry is an
+        # index and a value), beside the small dense tensors and the second moment's sketch
+        assert ratio is None and bytes_ == sent[0] or 0 < bytes_ < sent[0] * 2 * ratio + 8192, (ratio, by_ratio)
+
+
+@pytest.mark.parametrize("target", ["gradient", "update"])
+def test_checkpoint_resumes_exactly_with_the_density_in_force(target):
+    results = harness.run(auto_workers.resume, 2, target)
     for r in results:
         assert r["saved_ratio"] is not None  # saved while sparse
         assert torch.equal(r["straight"], r["resumed"])

@@ -38,33 +38,38 @@ def sgd_parity(rank: int, world_size: int) -> Dict[str, Any]:
             opt.topk_update_step.second_moment, "same": all_equal_across_ranks(flat_params(model))}
 
 
+def logged_step(model, state, ddp, opt, rank: int, step: int, dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+    """One training step in update mode (Adam at LR, BETAS, EPS) and, per compressed update, its residual before and
+    after, this rank's local update recomputed from the Adam state its step left (lr * m_hat / (sqrt(v_hat) +
+    eps)), and what every rank applied (the parameter before minus after)."""
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    old = {n: r.residual.double().clone() for n, r in state.registry if r.residual is not None}
+    train_step(ddp, opt, rank, step, dtype)
+    entry: Dict[str, Any] = {"applied": {}, "local": {}, "old": {}, "new": {}}
+    for name, p in model.named_parameters():
+        key = "update." + name
+        record = state.registry.records.get(key)
+        if record is None or record.residual is None:
+            continue
+        s = opt.state[p]
+        if "exp_avg" in s:  # Adam's keys: each rank's own moments ("local", "calibrated")
+            t = int(s["step"])
+            m_hat = s["exp_avg"].double() / (1 - BETAS[0] ** t)
+            v_hat = s["exp_avg_sq"].double() / (1 - BETAS[1] ** t)
+            entry["local"][name] = (LR * m_hat / (v_hat.sqrt() + EPS)).reshape(-1)
+        entry["applied"][name] = (before[name] - p.detach().double()).reshape(-1)
+        entry["old"][name] = old.get(key, torch.zeros(p.numel(), dtype=torch.float64)).reshape(-1)
+        entry["new"][name] = record.residual.double().reshape(-1).clone()
+    return entry
+
+
 def invariant(rank: int, world_size: int, exchange: str, second_moment: str) -> Dict[str, Any]:
     """4 steps of Adam at ratio 0.05: per step, each compressed update's residual before and after, this rank's
     local update recomputed from the Adam state its step left (lr * m_hat / (sqrt(v_hat) + eps)), and what every
     rank applied."""
     model, state, ddp, opt = _training(rank, dict(ratio=0.05, min_numel=64, exchange=exchange,
                                                   second_moment=second_moment, bucket_bytes=200_000))
-    log = []
-    for step in range(4):
-        before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-        old = {n: r.residual.double().clone() for n, r in state.registry if r.residual is not None}
-        train_step(ddp, opt, rank, step)
-        entry = {"applied": {}, "local": {}, "old": {}, "new": {}}
-        for name, p in model.named_parameters():
-            key = "update." + name
-            record = state.registry.records.get(key)
-            if record is None or record.residual is None:
-                continue
-            s = opt.state[p]
-            if "exp_avg" in s:  # Adam's keys: each rank's own moments ("local", "calibrated")
-                t = int(s["step"])
-                m_hat = s["exp_avg"].double() / (1 - BETAS[0] ** t)
-                v_hat = s["exp_avg_sq"].double() / (1 - BETAS[1] ** t)
-                entry["local"][name] = (LR * m_hat / (v_hat.sqrt() + EPS)).reshape(-1)
-            entry["applied"][name] = (before[name] - p.detach().double()).reshape(-1)
-            entry["old"][name] = old.get(key, torch.zeros(p.numel(), dtype=torch.float64)).reshape(-1)
-            entry["new"][name] = record.residual.double().reshape(-1).clone()
-        log.append(entry)
+    log = [logged_step(model, state, ddp, opt, rank, step) for step in range(4)]
     key = "exp_avg_sq" if second_moment != "shared" else "shared_exp_avg_sq"
     own = torch.cat([opt.state[p][key].reshape(-1) for p in model.parameters()])
     return {"log": log, "same": all_equal_across_ranks(flat_params(model)), "own_same": all_equal_across_ranks(own),
