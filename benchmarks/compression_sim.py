@@ -576,7 +576,10 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     result = {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve,
               "final": curve[evals.index(steps)],
               "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start,
-              "corpus": task.source, "device": task.device}
+              "corpus": task.source, "device": task.device, "torch": torch.__version__,
+              # the CPU's vector kernels round differently (AVX2 / AVX512): over thousands of steps that moves a final
+              # loss by a few tenths of a per cent, so only runs of one kind compare
+              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if diagnosis is not None:
         result["diagnosis"] = diagnosis.summary(names, steps)
     return result
@@ -639,6 +642,9 @@ def main() -> None:
             dense_path = out / f"{args.task}{tag}-{args.steps}-dense-{seed}-p{args.workers}.json"
             if overrun and dense_path.exists():
                 dense = json.loads(dense_path.read_text())
+                if dense.get("cpu_capability") != r.get("cpu_capability"):
+                    print(f"    dense ran with CPU kernels {dense.get('cpu_capability')}, this run with "
+                          f"{r.get('cpu_capability')}: not comparable to the last digit", flush=True)
                 print(f"    steps to 1.01x dense's final loss: {steps_to(r, 1.01 * dense['final'])}, dense's own: "
                       f"{steps_to(dense, 1.01 * dense['final'])}", flush=True)
             for d in r.get("diagnosis", []):
