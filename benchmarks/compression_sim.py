@@ -577,8 +577,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
               "final": curve[evals.index(steps)],
               "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start,
               "corpus": task.source, "device": task.device, "torch": torch.__version__,
-              # the CPU's vector kernels round differently (AVX2 / AVX512): over thousands of steps that moves a final
-              # loss by a few tenths of a per cent, so only runs of one kind compare
+              # CPU kernels of another kind (AVX2 / AVX512) may round differently, and over thousands of steps a
+              # rounding moves a final loss: compare runs of one kind to the last digit
               "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if diagnosis is not None:
         result["diagnosis"] = diagnosis.summary(names, steps)
