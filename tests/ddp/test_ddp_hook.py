@@ -148,7 +148,6 @@ def test_a_nan_on_one_rank_stays_out_of_every_residual():
 
 
 @pytest.mark.parametrize("options,field", [
-    ({"target": "update", "ratio": "auto"}, "ratio='auto' with target='update'"),
     ({"ratio": 0}, "ratio"),
     ({"nonsense": 1}, "nonsense"),
 ])
