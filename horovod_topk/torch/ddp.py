@@ -22,8 +22,9 @@ reverse parameter order, so the names are the same on every rank and in every jo
 This module imports no Horovod: a DDP user needs torch and horovod-topk only.
 
 ``ratio="auto"`` chooses the density from the job's own measurements as under Horovod (core.autodensity); the
-hook's probes and step clock are torch.ddp_auto's (in update mode the clock is the optimizer's step). ``target="update"`` (each rank steps its own optimizer, the
-updates travel) takes the hook and the optimizer together: torch.ddp_update.
+hook's probes and step clock are torch.ddp_auto's (in update mode the clock is the optimizer's step).
+``target="update"`` (each rank steps its own optimizer, the updates travel) takes the hook and the optimizer
+together: torch.ddp_update.
 
 The sparse allreduce's alltoall is waited for inside the hook (its owners' sums must be computed before their
 allgather starts, and every collective is issued from the hook's thread so that all ranks issue them in one
