@@ -509,6 +509,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
     bytes_dense = 0.0
     curve: List[float] = []
     evals: List[int] = []
+    flushed: List[float] = []  # update mode: the loss had every worker's residual been delivered (a dense allreduce)
     start = time.perf_counter()
     total = max(steps, int(overrun * steps))
     for step in range(1, total + 1):
@@ -573,6 +574,8 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
         if step % task.eval_every == 0 or step in (steps, total):
             curve.append(task.validate(model))
             evals.append(step)
+            if local_adam is not None:
+                flushed.append(validate_flushed(task, model, params, residuals, workers))
     result = {"method": spec, "seed": seed, "steps": steps, "evals": evals, "valid": curve,
               "final": curve[evals.index(steps)],
               "bytes_fraction": bytes_sent / bytes_dense, "seconds": time.perf_counter() - start,
@@ -580,9 +583,27 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
               # CPU kernels of another kind (AVX2 / AVX512) may round differently, and over thousands of steps a
               # rounding moves a final loss: compare runs of one kind to the last digit
               "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if flushed:
+        result["valid_flushed"] = flushed
+        result["final_flushed"] = flushed[evals.index(steps)]
     if diagnosis is not None:
         result["diagnosis"] = diagnosis.summary(names, steps)
     return result
+
+
+def validate_flushed(task: LMTask, model: torch.nn.Module, params: List[torch.Tensor],
+                     residuals: List[List[torch.Tensor]], workers: int) -> float:
+    """Update mode: the validation loss of the parameters minus the workers' mean residual, i.e. had one dense
+    allreduce delivered every update still held back. The parameters are restored bit for bit (copied back, not
+    added back) so that the run itself is unchanged."""
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.sub_((sum(r[i] for r in residuals) / workers).view_as(p))
+        loss = task.validate(model)
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return loss
 
 
 def steps_to(result: dict, target: float) -> Optional[int]:
@@ -639,6 +660,9 @@ def main() -> None:
                 path.write_text(json.dumps(r))
             print(f"{args.task}{tag} {args.steps} {spec:<22} seed {seed}: valid {r['final']:.4f}  bytes "
                   f"{100 * r['bytes_fraction']:.2f}% of dense  ({r['seconds']:.0f} s)", flush=True)
+            if "final_flushed" in r:
+                print(f"    with the residuals delivered (one dense allreduce more): valid {r['final_flushed']:.4f}",
+                      flush=True)
             dense_path = out / f"{args.task}{tag}-{args.steps}-dense-{seed}-p{args.workers}.json"
             if overrun and dense_path.exists():
                 dense = json.loads(dense_path.read_text())
