@@ -666,7 +666,10 @@ def main() -> None:
             dense_path = out / f"{args.task}{tag}-{args.steps}-dense-{seed}-p{args.workers}.json"
             if overrun and dense_path.exists():
                 dense = json.loads(dense_path.read_text())
-                if dense.get("cpu_capability") != r.get("cpu_capability"):
+                if "cpu_capability" not in dense:
+                    print("    dense's result does not record its CPU kernels: compare only if it ran on this machine",
+                          flush=True)
+                elif dense["cpu_capability"] != r.get("cpu_capability"):
                     print(f"    dense ran with CPU kernels {dense.get('cpu_capability')}, this run with "
                           f"{r.get('cpu_capability')}: not comparable to the last digit", flush=True)
                 print(f"    steps to 1.01x dense's final loss: {steps_to(r, 1.01 * dense['final'])}, dense's own: "
