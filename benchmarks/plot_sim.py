@@ -36,6 +36,8 @@ def main() -> None:
                         "names, e.g. --variant=-cuda (a GPU run) or --variant=-wd0 (--weight-decay 0)")
     parser.add_argument("--methods", nargs="*", help="only these (simulator specs); default: all found")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ylim", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                        help="the loss axis (default: up to 2.6): a narrow range shows the ends of converged runs")
     args = parser.parse_args()
     import matplotlib
 
@@ -60,7 +62,7 @@ def main() -> None:
     by_bytes.set_xscale("log")
     for ax in (by_steps, by_bytes):
         ax.set_ylabel("validation loss")
-        ax.set_ylim(top=min(ax.get_ylim()[1], 2.6))
+        ax.set_ylim(*(args.ylim or (None, min(ax.get_ylim()[1], 2.6))))
         ax.grid(alpha=0.3)
     by_steps.legend(fontsize=8)
     fig.suptitle(f"{args.task}, {args.steps} steps, {args.workers} workers (simulator), mean over seeds")
