@@ -35,7 +35,8 @@ METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
 #: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
 EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto", "update0.01",
-                 "update-calibrated0.01", "compact0.1", "update-compact-calibrated0.1"]
+                 "update-calibrated0.01", "compact0.1", "update-compact-calibrated0.1",
+                 "update-compact-calibrated0.023"]
 MODELS = ["mlp", "digits", "charlm", "gptlm"]
 
 
