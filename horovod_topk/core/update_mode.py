@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 __all__ = [
     "MOMENTS_NAME",
     "NONFINITE_NAME",
+    "with_nonfinite_count",
     "ADAM_FAMILY",
     "COMPUTED_SECOND_MOMENTS",
     "NORMALISING_OPTIMIZERS",
@@ -79,6 +80,13 @@ NONFINITE_NAME = "topk.update.nonfinite"
 MOMENTS_NAME = "topk.update.moments"
 #: The name of the calibrated second moment's allreduce (every tensor's sketch and squared norm), before the step.
 NOISE_SHARE_NAME = "topk.update.noise_share"
+
+
+def with_nonfinite_count(name: str) -> str:
+    """The name of the one allreduce that carries the ranks' non-finite counts together with the statistics
+    otherwise reduced under ``name`` (MOMENTS_NAME, NOISE_SHARE_NAME): a step then waits for one collective before
+    its local update, not two. Letters, digits, dots and underscores only (TensorFlow's scope names)."""
+    return f"{NONFINITE_NAME}_and_{name.rsplit('.', 1)[-1]}"
 
 #: Optimizer classes whose step horovod-topk computes under a shared second moment, by qualified name (module and
 #: class: a third-party class called "AdamW" with other options is not torch's) -> whether weight decay is

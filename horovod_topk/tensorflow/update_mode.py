@@ -39,6 +39,7 @@ from ..core.update_mode import (
     resolve_keras_second_moment,
     sketch_layout,
     update_tensor_names,
+    with_nonfinite_count,
 )
 from . import keras3, noise_share
 
@@ -131,11 +132,11 @@ class UpdateStep:
         grads, variables, keys = [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
         targets = keras3.tf_variables(list(variables))  # the tf.Variables (Keras 3 wraps one in each)
         self._check_modes(grads, targets)
-        finite = self._agree_finite(grads)
+        finite, sketches = self._agree_finite(grads, step)
 
         def take() -> tf.Tensor:
             before = [tf.identity(t.read_value()) for t in targets]
-            calibrating = self._calibrate(grads, targets, keys, step) if self.sketch_width else []
+            calibrating = self._calibrate(sketches, targets, keys) if sketches is not None else []
             with tf.control_dependencies(before + calibrating):
                 try:
                     applied = local_apply(grads, variables)
@@ -164,28 +165,22 @@ class UpdateStep:
             return take() if bool(finite) else skip()
         return tf.cond(finite, take, skip)
 
-    def _calibrate(self, grads: Sequence[Any], targets: Sequence[Any], keys: Sequence[str], step: Any) -> List[Any]:
-        """The calibrated second moment's share of every tensor (core.update_mode): this rank's sketches, one
-        allreduce (Sum) of them, the shares; kept for the optimizer's update_step (share_of) and assigned to the
-        telemetry variables, whose assigns are returned. The gradients are finite here (the step's branch)."""
-        from horovod.tensorflow import _allreduce
-        from horovod.tensorflow.mpi_ops import Sum
-
+    def _calibrate(self, summed: tf.Tensor, targets: Sequence[Any], keys: Sequence[str]) -> List[Any]:
+        """The calibrated second moment's share of every tensor (core.update_mode) from the ranks' summed sketches;
+        kept for the optimizer's update_step (share_of) and assigned to the telemetry variables, whose assigns are
+        returned. The gradients are finite here (the step's branch)."""
         assert self.sketch_width is not None
-        layout = sketch_layout(len(grads), self.sketch_width)
-        if step is None:
-            raise ValueError("horovod-topk: the calibrated second moment needs the optimizer's step")
-        rows = [noise_share.sketch(g, layout.width, noise_share.sketch_salt(step, position))
-                for position, g in enumerate(grads)]
-        summed = _allreduce(tf.reshape(tf.stack(rows), [-1]), name=NOISE_SHARE_NAME, op=Sum, ignore_name_scope=True,
-                            process_set=self.process_set)
+        layout = sketch_layout(len(targets), self.sketch_width)
         shares = noise_share.noise_shares(tf.reshape(summed, [layout.tensors, layout.width + 1]),
                                           self.process_set.size())
         self._shares = {id(t): shares[i] for i, t in enumerate(targets)}
         return [self.compressor.noise_share_variable(key).assign(shares[i]) for i, key in enumerate(keys)]
 
-    def _agree_finite(self, grads: Sequence[Any]) -> tf.Tensor:
-        """Whether every rank's gradients are finite: one allreduce (Sum) of the ranks' non-finite counts."""
+    def _agree_finite(self, grads: Sequence[Any], step: Any) -> Tuple[tf.Tensor, Optional[tf.Tensor]]:
+        """Whether every rank's gradients are finite, and under the calibrated second moment the ranks' summed
+        sketches (each tensor's count sketch and squared norm, core.update_mode): one allreduce (Sum) carries the
+        ranks' non-finite counts and the sketches, so a step waits for one collective before its local step, not
+        two. A non-finite gradient makes its sketch non-finite too; the step's branch is not taken then."""
         from horovod.tensorflow import _allreduce
         from horovod.tensorflow.mpi_ops import Sum
 
@@ -195,8 +190,19 @@ class UpdateStep:
             if values.dtype.is_floating:
                 counts.append(tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.float32)))
         count = tf.reshape(tf.add_n(counts) if counts else tf.constant(0.0), [1])
-        total = _allreduce(count, name=NONFINITE_NAME, op=Sum, ignore_name_scope=True, process_set=self.process_set)
-        return tf.equal(tf.reshape(total, []), 0.0)
+        if not self.sketch_width:
+            total = _allreduce(count, name=NONFINITE_NAME, op=Sum, ignore_name_scope=True,
+                               process_set=self.process_set)
+            return tf.equal(tf.reshape(total, []), 0.0), None
+        if step is None:
+            raise ValueError("horovod-topk: the calibrated second moment needs the optimizer's step")
+        width = sketch_layout(len(grads), self.sketch_width).width
+        rows = [noise_share.sketch(g, width, noise_share.sketch_salt(step, position))
+                for position, g in enumerate(grads)]
+        summed = _allreduce(tf.concat([count, tf.reshape(tf.stack(rows), [-1])], axis=0),
+                            name=with_nonfinite_count(NOISE_SHARE_NAME), op=Sum, ignore_name_scope=True,
+                            process_set=self.process_set)
+        return tf.equal(summed[0], 0.0), summed[1:]
 
     def _exchange(self, updates: Sequence[tf.Tensor], keys: Sequence[str]) -> List[tf.Tensor]:
         """The ranks' average of every update through the compressor, in buckets of bucket_bytes (one allgather per

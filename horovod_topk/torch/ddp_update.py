@@ -132,12 +132,13 @@ class DDPUpdateStep:
         self._exchange_and_apply(entries, updates)
 
     def _all_finite(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> bool:
-        """One allreduce of the ranks' counts of non-finite gradient entries (as the hook's, per step)."""
+        """One allreduce of the ranks' counts of non-finite gradient entries (as the hook's, per step), which carries
+        the computed second moment's statistics too (LocalUpdates.reduce_with_statistics)."""
         counts = [(~torch.isfinite(p.grad)).sum() for _, p in entries
                   if p.grad is not None and p.grad.is_floating_point()]
         device = entries[0][1].device
         count = torch.stack(counts).sum().reshape(1).float() if counts else torch.zeros(1, device=device)
-        total = self._allreduce_sum(count, NONFINITE_NAME)
+        total = self.local.reduce_with_statistics(entries, count, NONFINITE_NAME)  # with the second moment's sums
         return float(total[0]) == 0.0
 
     def _buckets(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> List[List[int]]:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..core.update_mode import (
+    COMPUTED_SECOND_MOMENTS,
     MOMENTS_NAME,
     NOISE_SHARE_NAME,
     block_count,
@@ -24,6 +25,7 @@ from ..core.update_mode import (
     sketch_layout,
     sketch_salt,
     update_tensor_name,
+    with_nonfinite_count,
 )
 from . import update_rule
 
@@ -67,6 +69,8 @@ class LocalUpdates:
         #: "local", "shared" or "calibrated" (TopKConfig.second_moment resolved for this optimizer; refused here,
         #: before training, when a computed one was asked of an optimizer it cannot compute)
         self.second_moment = resolve_second_moment(config.second_moment, self.class_name, optimizer.param_groups)
+        #: The statistics reduce_with_statistics reduced, until compute() takes them.
+        self._kept: Optional[_Statistics] = None
         self._keep_float32_state_on_load()
 
     def compute(self, entries: Entries) -> Optional[List[torch.Tensor]]:
@@ -109,25 +113,15 @@ class LocalUpdates:
     def _shared_moment_updates(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> Optional[List[torch.Tensor]]:
         """Each parameter's Adam/AdamW update under the shared block second moment, from this rank's gradient and
         first moment; None when some rank's gradient is non-finite (every rank returns None alike)."""
-        block = self.config.second_moment_block
-        layout = moments_layout([p.numel() for _, p in entries], block)
-        hyper, group_of = self._hyperparameters()
-        device = entries[0][1].device if entries else torch.device("cpu")
-        squares = torch.zeros(layout.numel, dtype=torch.float32, device=device)
-        for (offset, count), (_, p) in zip(layout.spans, entries):
-            _, _, _, _, weight_decay, decoupled = hyper[group_of[id(p)]]
-            gradient = self._gradient(p)
-            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
-                gradient = gradient.add(p.detach(), alpha=weight_decay)
-            squares[offset:offset + count] = update_rule.block_mean_squares(gradient, block).to(device)
-        world_size = self.world_size()
-        shared = self._allreduce_sum(squares, MOMENTS_NAME)
-        self._count_bytes(entries, [4 * count for _, count in layout.spans])
+        statistics = self._reduced_statistics(entries)
+        shared = statistics.summed
+        assert shared is not None
         if not bool(torch.isfinite(shared).all()):  # a NaN/Inf gradient entry anywhere makes its block non-finite
             return None
-        shared /= world_size
+        shared /= self.world_size()
+        hyper, group_of = statistics.hyper, statistics.group_of
         updates = []
-        for (offset, count), (name, p) in zip(layout.spans, entries):
+        for (offset, count), (name, p) in zip(statistics.spans, entries):
             lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
             state = self._shared_state(name, p)
             state["step"] += 1
@@ -136,7 +130,7 @@ class LocalUpdates:
             updates.append(update_rule.adam_update(
                 p.detach(), self._gradient(p), self.first_moment(name, p), state["shared_exp_avg_sq"],
                 int(state["step"]), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                decoupled=decoupled, block=block,
+                decoupled=decoupled, block=self.config.second_moment_block,
             ))
         return updates
 
@@ -152,28 +146,16 @@ class LocalUpdates:
         """Each parameter's Adam/AdamW update from this rank's own moments, its second moment fed the squared
         gradient times the tensor's noise share (core.update_mode: one allreduce of every tensor's sketch and
         squared norm); None when some rank's gradient is non-finite (every rank returns None alike)."""
-        layout = sketch_layout(len(entries), self.config.second_moment_sketch)
-        hyper, group_of = self._hyperparameters()
-        device = entries[0][1].device if entries else torch.device("cpu")
-        contributions = torch.zeros(layout.tensors, layout.width + 1, dtype=torch.float32, device=device)
-        # The signs' step: the optimizer's step about to be taken, the same on every rank and in a checkpoint
-        # (broadcast at start, moved alike), so a resumed job draws the signs the uninterrupted one would.
-        step = int(self._own_state(*entries[0])["step"]) + 1 if entries else 0
-        gradients = []
-        for position, (name, p) in enumerate(entries):
-            _, _, _, _, weight_decay, decoupled = hyper[group_of[id(p)]]
-            gradient = self._gradient(p)
-            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
-                gradient = gradient.add(p.detach(), alpha=weight_decay)
-            gradients.append(gradient)
-            update_rule.sketch_into(contributions[position], gradient.to(device), sketch_salt(step, position))
-        summed = self._allreduce_sum(contributions.view(-1), NOISE_SHARE_NAME)
-        self._count_bytes(entries, [4 * (layout.width + 1)] * len(entries))
+        statistics = self._reduced_statistics(entries)
+        summed = statistics.summed
+        assert summed is not None
         if not bool(torch.isfinite(summed).all()):  # a NaN/Inf gradient entry anywhere makes its sketch non-finite
             return None
-        shares = update_rule.noise_shares(summed.view(layout.tensors, layout.width + 1), self.world_size())
+        width = self.config.second_moment_sketch
+        shares = update_rule.noise_shares(summed.view(len(entries), width + 1), self.world_size())
+        hyper, group_of = statistics.hyper, statistics.group_of
         updates = []
-        for position, ((name, p), gradient) in enumerate(zip(entries, gradients)):
+        for position, ((name, p), gradient) in enumerate(zip(entries, statistics.gradients)):
             lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
             state = self._own_state(name, p)
             state["step"] += 1
@@ -186,6 +168,83 @@ class LocalUpdates:
                 beta2=beta2, eps=eps, weight_decay=weight_decay if decoupled else 0.0, decoupled=decoupled,
             ))
         return updates
+
+    # ---- the second moment's statistics and their one allreduce ------------------------------------------------
+    def reduce_with_statistics(self, entries: Entries, extra: torch.Tensor, name: str) -> torch.Tensor:
+        """One allreduce (sum) of the front end's ``extra`` (its count of non-finite gradient entries) together with
+        this rank's second-moment statistics (the shared moment's block mean squares, the calibrated one's sketches
+        and squared norms); returns the ranks' sum of ``extra``. A step then waits for one collective before its
+        local update instead of two: on a link where a collective costs a round trip, that is one round trip less
+        per step. The statistics' sum is kept for compute(), which uses it only while the gradients (each one the
+        same tensor at the same version), the parameters, the weight decay and the step are the ones it was made
+        from; a user who clips or unscales between ``synchronize()`` and ``step()`` changes them, and compute()
+        reduces the statistics of what it finds instead. With the "local" second moment ``extra`` travels alone."""
+        self._kept = None
+        if self.second_moment not in COMPUTED_SECOND_MOMENTS or not entries:
+            return self._allreduce_sum(extra, name)
+        statistics = self._statistics(entries)
+        values = statistics.values
+        assert values is not None
+        summed = self._allreduce_sum(torch.cat([extra.to(device=values.device, dtype=torch.float32), values]),
+                                     with_nonfinite_count(statistics.name))
+        statistics.summed = summed[extra.numel():]
+        self._count_bytes(entries, statistics.nbytes)
+        self._kept = statistics
+        return summed[:extra.numel()]
+
+    def _reduced_statistics(self, entries: Entries) -> "_Statistics":
+        """The statistics of the gradients as they are now, summed over the ranks: the ones reduce_with_statistics
+        kept where nothing they were made from has changed since, else this rank's, allreduced here."""
+        kept, self._kept = self._kept, None
+        statistics = self._statistics(entries, compute=False)
+        if kept is not None and kept.made_from_the_same(statistics):
+            return kept
+        self._fill(statistics, entries)
+        statistics.summed = self._allreduce_sum(statistics.values, statistics.name)
+        self._count_bytes(entries, statistics.nbytes)
+        return statistics
+
+    def _statistics(self, entries: Entries, compute: bool = True) -> "_Statistics":
+        """This rank's contribution to the computed second moment's allreduce (``compute=False``: only what it
+        would be made from, to compare with kept statistics without computing them again)."""
+        hyper, group_of = self._hyperparameters()
+        shared = self.second_moment == "shared"
+        # The signs' step (calibrated): the optimizer's step about to be taken, the same on every rank and in a
+        # checkpoint (broadcast at start, moved alike), so a resumed job draws the signs the uninterrupted one would.
+        step = 0 if shared else int(self._own_state(*entries[0])["step"]) + 1
+        if shared:
+            spans = moments_layout([p.numel() for _, p in entries], self.config.second_moment_block).spans
+        else:
+            width = sketch_layout(len(entries), self.config.second_moment_sketch).width
+            spans = [(i * (width + 1), width + 1) for i in range(len(entries))]
+        made_from = [(p, p._version, p.grad, None if p.grad is None else p.grad._version, hyper[group_of[id(p)]][4:])
+                     for _, p in entries]
+        statistics = _Statistics(MOMENTS_NAME if shared else NOISE_SHARE_NAME, spans, hyper, group_of, step,
+                                 made_from)
+        if compute:
+            self._fill(statistics, entries)
+        return statistics
+
+    def _fill(self, statistics: "_Statistics", entries: Entries) -> None:
+        """Compute the statistics' values (and the gradients the update uses) from the entries as they are now."""
+        device = entries[0][1].device
+        shared = statistics.name == MOMENTS_NAME
+        end = statistics.spans[-1][0] + statistics.spans[-1][1]
+        values = torch.zeros(end, dtype=torch.float32, device=device)
+        gradients = []
+        for position, ((offset, count), (name, p)) in enumerate(zip(statistics.spans, entries)):
+            _, _, _, _, weight_decay, decoupled = statistics.hyper[statistics.group_of[id(p)]]
+            gradient = self._gradient(p)
+            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
+                gradient = gradient.add(p.detach(), alpha=weight_decay)
+            gradients.append(gradient)
+            if shared:
+                values[offset:offset + count] = update_rule.block_mean_squares(
+                    gradient, self.config.second_moment_block).to(device)
+            else:
+                update_rule.sketch_into(values[offset:offset + count], gradient.to(device),
+                                        sketch_salt(statistics.step, position))
+        statistics.values, statistics.gradients = values, gradients
 
     def _own_state(self, name: str, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
         """This rank's own Adam state of ``p`` under the calibrated second moment, in Adam's keys (the step as a
@@ -301,6 +360,34 @@ class LocalUpdates:
             for b, (_, p) in zip(before, entries):
                 p.copy_(b)
         return updates
+
+
+class _Statistics:
+    """One step's second-moment statistics of this rank (``values``, laid out in ``spans`` per entry), the ranks'
+    sum once reduced, and what they were made from: the gradients the update then uses, the hyperparameters, the
+    step, and per entry (parameter, its version, gradient, its version, weight decay): the same objects at the same
+    versions mean the same values, since every in-place change of a tensor moves its version."""
+
+    def __init__(self, name: str, spans: List[Tuple[int, int]],
+                 hyper: Dict[int, Tuple[float, float, float, float, float, bool]], group_of: Dict[int, int],
+                 step: int, made_from: List[Tuple[Any, ...]]) -> None:
+        self.name = name
+        self.spans = spans
+        self.values: Optional[torch.Tensor] = None
+        self.gradients: List[torch.Tensor] = []
+        self.hyper = hyper
+        self.group_of = group_of
+        self.step = step
+        self.made_from = made_from
+        self.summed: Optional[torch.Tensor] = None
+        #: Bytes each entry's part of the allreduce carries (stats()).
+        self.nbytes = [4 * count for _, count in spans]
+
+    def made_from_the_same(self, other: "_Statistics") -> bool:
+        """Whether ``other`` was made from the very tensors, versions, hyperparameters and step as these."""
+        return (self.name == other.name and self.step == other.step and len(self.made_from) == len(other.made_from)
+                and all(a[0] is b[0] and a[1] == b[1] and a[2] is b[2] and a[3] == b[3] and a[4] == b[4]
+                        for a, b in zip(self.made_from, other.made_from)))
 
 
 def _difference(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:

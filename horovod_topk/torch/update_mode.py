@@ -195,7 +195,8 @@ class UpdateStep:
         counted = [(name, p) for name, p in entries if p.grad is not None and p.grad.is_floating_point()]
         counts = [(~torch.isfinite(p.grad)).sum() for _, p in counted]
         count = torch.stack(counts).sum().reshape(1).float().cpu() if counts else torch.zeros(1)
-        total = float(self._allreduce_sum(count, NONFINITE_NAME)[0])
+        # with a computed second moment, in one allreduce with its statistics (LocalUpdates.reduce_with_statistics)
+        total = float(self.local.reduce_with_statistics(entries, count, NONFINITE_NAME)[0])
         self._count_bytes(entries[:1], [count.numel() * count.element_size()])
         self._skip = total > 0
         if self._skip:

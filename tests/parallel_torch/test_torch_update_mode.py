@@ -531,3 +531,52 @@ def test_updates_in_buckets_train_as_the_per_tensor_exchange(options):
     assert buckets["flushed_incomplete"] == 0
     assert "buckets" not in per_tensor.stats()
     assert identical_across_ranks(ours, "bucketed") == []
+
+
+@pytest.mark.parametrize("factory", ["adam_l2", "adamw"])
+@pytest.mark.parametrize("second_moment", ["shared", "calibrated"])
+def test_the_second_moments_statistics_travel_with_the_non_finite_count_unless_the_gradients_change(
+        second_moment, factory):
+    """A step waits for one collective before its local update: synchronize()'s non-finite count and the computed
+    second moment's statistics share one allreduce. Changing a gradient between synchronize() and step() (as
+    clipping or unscaling does) makes step() reduce the statistics of the changed gradients; both ways train bit for
+    bit as the same change made during backward."""
+    make = FACTORIES[factory][0]
+    mask = torch.ones(64, 32)
+    mask[: 16 * (1 + hvd.rank())] = 3.0  # changes the tensor's sketch and block means, not only their scale
+
+    def run(change_after_synchronize: bool) -> Tuple[Dict[str, torch.Tensor], List[List[str]]]:
+        torch.manual_seed(0)
+        model = Net()
+        if not change_after_synchronize:
+            model.fc1.weight.register_hook(lambda g: g * mask)
+        opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                       compression=TopKEF(ratio=0.1, target="update", second_moment=second_moment))
+        local = opt.topk_update_step.local
+        reduce, names = local._allreduce_sum, []
+
+        def recorded(values: torch.Tensor, name: str) -> torch.Tensor:
+            names[-1].append(name)
+            return reduce(values, name)
+
+        local._allreduce_sum = recorded
+        for step in range(3):
+            names.append([])
+            opt.zero_grad()
+            x, tokens, y = batch(step)
+            nn.functional.cross_entropy(model(x, tokens, True), y).backward()
+            opt.synchronize()
+            if change_after_synchronize:
+                model.fc1.weight.grad.mul_(mask)
+            with opt.skip_synchronize():
+                opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, names
+
+    during_backward, one_collective = run(change_after_synchronize=False)
+    after_synchronize, two_collectives = run(change_after_synchronize=True)
+    statistics = {"shared": "topk.update.moments", "calibrated": "topk.update.noise_share"}[second_moment]
+    merged = "topk.update.nonfinite_and_" + statistics.rsplit(".", 1)[-1]
+    assert one_collective == [[merged]] * 3
+    assert two_collectives == [[merged, statistics]] * 3
+    assert_same_params(after_synchronize, during_backward, rtol=0, atol=0)
+    assert identical_across_ranks(after_synchronize, "after_synchronize") == []
