@@ -5,13 +5,15 @@ What one step does, on every rank:
 1. backward: the routing holds each marked gradient locally (no collective; on a tensor's first step only the ranks'
    agreement check starts, under the same name gradient mode would use, so ranks in different modes raise instead
    of hanging);
-2. ``synchronize()``: one allreduce of this rank's count of non-finite gradient entries. When any rank has one,
-   every rank's gradients are set to NaN, so that AMP's GradScaler skips the step on every rank alike, and a
-   ``step()`` without GradScaler skips it too (nothing changes anywhere);
-3. ``step()``: with the shared second moment, one allreduce of every tensor's block mean squares (after the user
-   clipped or unscaled), then this rank's Adam/AdamW update from the optimizer's own hyperparameters and state;
-   with the calibrated one, one allreduce of every tensor's sketch and squared norm, then this rank's Adam/AdamW
-   update with its own moments, its squared gradient scaled by the tensor's noise share; with
+2. ``synchronize()``: one allreduce of this rank's count of non-finite gradient entries, which carries the
+   computed second moment's statistics too (below). When any rank has one, every rank's gradients are set to NaN,
+   so that AMP's GradScaler skips the step on every rank alike, and a ``step()`` without GradScaler skips it too
+   (nothing changes anywhere);
+3. ``step()``: with the shared second moment, every tensor's block mean squares summed over the ranks, then this
+   rank's Adam/AdamW update from the optimizer's own hyperparameters and state; with the calibrated one, every
+   tensor's sketch and squared norm summed over the ranks, then this rank's Adam/AdamW update with its own moments,
+   its squared gradient scaled by the tensor's noise share. Those sums came with synchronize()'s allreduce; where
+   the user changed a gradient in between (clipped, unscaled), ``step()`` reduces the changed ones again; with
    ``second_moment="local"`` the user's optimizer steps and the update is parameters before minus after (the
    parameters are put back). Each update goes through the compressor's exchange (error feedback, selection,
    allgather / sparse allreduce / compact encoding, or a dense allreduce for small tensors), and every rank
