@@ -11,6 +11,12 @@
 #
 # Shaping: --rate with tbf on each host's link (both directions), --delay with netem when the kernel has it
 # (the script says so when it does not). Needs root and iproute2.
+#
+# What it cannot give: a core per worker. N workers share this machine's cores, and OpenMPI polls while a collective
+# waits, so each collective that runs alone costs far more than between real hosts (a one-float hvd.allreduce across
+# 4 hosts, idle: median 30 ms; with OMPI_MCA_mpi_yield_when_idle=1 in the environment, which mpirun hands to every
+# rank: 12 ms; Gloo between 4 processes on localhost: 1.75 ms). Methods that wait for more collectives in a row pay
+# for it here more than on a cluster.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFIX=topk

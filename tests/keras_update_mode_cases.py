@@ -464,3 +464,30 @@ def test_update_mode_updates_in_buckets_train_as_the_per_tensor_exchange(second_
         np.testing.assert_array_equal(our_residuals[key], their_residuals[key], err_msg=key)
     assert len(per_tensor) == 2 and len(bucketed) == 1 and bucketed[0].startswith("topk.bucket.")  # both kernels
     assert _same_on_every_rank(ours, f"bucketed.{second_moment}")
+
+
+@pytest.mark.parametrize("second_moment", ["local", "calibrated"])
+def test_the_non_finite_count_and_the_sketches_share_one_allreduce(monkeypatch, second_moment):
+    """Before its local step a calibrated step waits for one collective, not two: the non-finite count travels with
+    every gradient's sketch (the gradients do not change in between). A NaN on one rank still skips the step on
+    every rank (the count in the shared allreduce says so)."""
+    import horovod.tensorflow
+
+    reduce, names = horovod.tensorflow._allreduce, []
+
+    def recorded(tensor, *args, name=None, **kwargs):
+        names.append(name)
+        return reduce(tensor, *args, name=name, **kwargs)
+
+    monkeypatch.setattr(horovod.tensorflow, "_allreduce", recorded)
+    model = _model()
+    step = _train_step(model, _wrap(keras.optimizers.Adam(1e-2), TopKEF(target="update", second_moment=second_moment,
+                                                                         **EVERYTHING)))
+    batches = _batches(2, hvd.rank())
+    step(*batches[0], tf.constant(1.0))  # traced here: the collectives the step holds are named now
+    before = _weights(model)
+    step(*batches[1], tf.constant(float("nan") if hvd.rank() == 1 else 1.0))
+    before_local_step = [n for n in names if n.startswith("topk.update.") and "." not in n[len("topk.update."):]]
+    expected = {"local": "topk.update.nonfinite", "calibrated": "topk.update.nonfinite_and_noise_share"}
+    assert before_local_step and set(before_local_step) == {expected[second_moment]}, names  # once per trace
+    assert all(np.array_equal(a, b) for a, b in zip(_weights(model), before))  # the poisoned step was skipped
