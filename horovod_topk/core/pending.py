@@ -32,6 +32,10 @@ class PendingReduction:
     check: Any = None
     #: The prefix of the optimizer that compressed the tensor (core.scopes), put in front of its name.
     scope: str = ""
+    #: Whether the compressor reached Horovod through horovod-topk's ``DistributedOptimizer`` (PyTorch), which sets
+    #: up what TopKEF keeps per optimizer (its scope, buckets, update mode's step); a mark without it comes from an
+    #: optimizer Horovod's own function built, and the routing refuses it rather than train in another mode.
+    wrapped: bool = False
 
 
 def mark(alias: Any, pending: PendingReduction) -> Any:

@@ -10,12 +10,16 @@ or, with PyTorch DDP and no Horovod at all (:mod:`horovod_topk.torch.ddp`):
     ddp_model.register_comm_hook(TopKEFState(ratio=0.01), topk_ef_hook)
 
 Taking ``TopKEF``, ``gather_state`` or ``restore_state`` from this package installs the routing of
-:mod:`horovod_topk.torch.routing` into Horovod (in memory, once per process) and the elastic handler. Nothing
-else here touches Horovod: importing the package, its tensor math (ops, device_select, selection, kernels) or the
-DDP hook never imports Horovod, so a DDP user needs torch alone, and benchmarks/bench_compress.py runs without it.
+:mod:`horovod_topk.torch.routing` into Horovod (in memory, once per process) and the elastic handler; so does
+importing the package where ``horovod.torch`` is loaded already, so that ``hvd.DistributedOptimizer(...,
+compression=horovod_topk.torch.TopKEF(...))`` -- Horovod's function looked up before TopKEF is -- is the routed one.
+Nothing else here touches Horovod: importing the package without Horovod loaded, its tensor math (ops,
+device_select, selection, kernels) or the DDP hook never imports Horovod, so a DDP user needs torch alone, and
+benchmarks/bench_compress.py runs without it.
 """
 import importlib
 import importlib.util
+import sys
 from typing import Any
 
 from ..core import RankMismatch, TopKConfig
@@ -46,3 +50,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["TopKEF", "TopKConfig", "RankMismatch", "gather_state", "restore_state"]
+
+if "horovod.torch" in sys.modules:  # Horovod is loaded: route it now, before any attribute of ours is looked up
+    _install_into_horovod()
+

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core import group_member_name, pending_of, refuse_unsupported_op
+from ..core import PendingReduction, group_member_name, pending_of, refuse_unsupported_op
 from ..core.update_mode import NORMALISING_OPTIMIZERS, resolve_target
 from .auto_density import install_wait_timer
 from .compressor import TopKEF, TopKHandle
@@ -43,6 +43,7 @@ class ScopedCompression:
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
         alias, pending = self.compressor.compress(tensor)
         pending.scope = self.scope
+        pending.wrapped = True
         return alias, pending
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -128,6 +129,20 @@ def _horovod_groups(distributed: Any) -> Optional[List[List[str]]]:
     return groups
 
 
+def refuse_unwrapped(pending: PendingReduction) -> None:
+    """Raise where TopKEF's mark reaches Horovod's optimizer collectives from an optimizer that Horovod's own
+    ``DistributedOptimizer`` built: a reference to it taken before horovod-topk routed Horovod (``from horovod.torch
+    import DistributedOptimizer`` first, or ``hvd.DistributedOptimizer`` looked up before ``horovod_topk.torch``
+    was imported). Such an optimizer has none of TopKEF's per-optimizer set-up, so it would train in another mode
+    (update mode would silently send gradients) instead of the one asked for."""
+    if not pending.wrapped:
+        raise ValueError(
+            "horovod-topk: TopKEF reached an optimizer built by Horovod's own DistributedOptimizer, which "
+            "horovod-topk did not wrap: the function was looked up before horovod_topk.torch was imported. Import "
+            "horovod_topk.torch (e.g. `from horovod_topk.torch import TopKEF`) before calling "
+            "hvd.DistributedOptimizer, and call it as hvd.DistributedOptimizer, not through a reference taken earlier.")
+
+
 def install() -> None:
     """Install the routing once per process (idempotent). Raises ImportError on an unknown Horovod layout."""
     import horovod.torch as hvd
@@ -159,6 +174,7 @@ def install() -> None:
     ) -> Any:
         pending = pending_of(tensor)
         if pending is not None and name is not None:
+            refuse_unwrapped(pending)
             handle = pending.compressor.start_reduction(
                 tensor, pending, pending.scope + name, op=op, prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor, process_set=process_set,
@@ -195,6 +211,7 @@ def install() -> None:
             pending = pending_of(tensor)
             handle = None
             if pending is not None:
+                refuse_unwrapped(pending)
                 handle = pending.compressor.start_reduction(
                     tensor, pending, pending.scope + group_member_name(name, position), op=op,
                     prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=process_set,

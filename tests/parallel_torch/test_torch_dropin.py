@@ -134,3 +134,18 @@ def test_state_of_two_optimizers_round_trips_through_a_checkpoint():
     restore_state(again, state)
     for name, record in compressor.registry:
         torch.testing.assert_close(again.registry.records[name].residual, record.residual)
+
+
+@pytest.mark.parametrize("target", ["gradient", "update"])
+def test_an_optimizer_built_by_horovods_own_function_is_refused_by_name(target):
+    """A reference to Horovod's DistributedOptimizer taken before horovod-topk routed Horovod builds an optimizer
+    without TopKEF's per-optimizer set-up (update mode would silently send gradients): its first backward raises,
+    on every rank alike, before any collective."""
+    horovods_own = hvd.DistributedOptimizer.__wrapped__  # what such a reference holds
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    opt = horovods_own(torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+                       compression=TopKEF(ratio=0.1, min_numel=0, target=target))
+    assert not hasattr(opt, "topk_update_step")
+    with pytest.raises(ValueError, match="optimizer built by Horovod's own DistributedOptimizer.*Import "
+                                         "horovod_topk.torch"):
+        model(_data(0)).square().sum().backward()
