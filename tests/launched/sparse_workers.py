@@ -30,7 +30,7 @@ def ef_invariant(ratio: float = 0.05, steps: int = 3) -> Dict[str, object]:
             before[n] = old + g.reshape(-1).double()
         handles = {}
         for n, g in grads.items():
-            alias, ctx = compressor.compress(g.clone())
+            alias, ctx = routing.ScopedCompression(compressor, "").compress(g.clone())  # as a wrapped optimizer does
             handles[n] = hvd_optimizer.allreduce_async_(alias, name=n, op=hvd.Average)
         outputs = {n: hvd_optimizer.synchronize(h) for n, h in handles.items()}
         for n in shapes:

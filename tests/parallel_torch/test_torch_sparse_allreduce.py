@@ -6,6 +6,7 @@ import torch
 
 from horovod_topk.core import RankMismatch
 from horovod_topk.torch import TopKEF
+from horovod_topk.torch.routing import ScopedCompression
 
 from .conftest import SINGLE_RANK_SETS
 from .torch_harness import assert_same_params, differs, train
@@ -50,7 +51,7 @@ def _invariant_step(compressor, grads, op, old):
 
     handles = {}
     for name, grad in grads.items():
-        compressed, ctx = compressor.compress(grad)
+        compressed, ctx = ScopedCompression(compressor, "").compress(grad)  # as a wrapped optimizer does
         handles[name] = (hvd_optimizer.allreduce_async_(compressed, name=name, op=op), ctx)
     return {name: compressor.decompress(hvd_optimizer.synchronize(h), ctx) for name, (h, ctx) in handles.items()}
 
@@ -108,7 +109,7 @@ def test_loading_a_state_forgets_the_reductions_of_an_abandoned_step():
     saved = compressor.state_dict()
     started = []
     for name in ("a", "b"):  # a step whose phase 1 is started and never synchronized
-        compressed, _ = compressor.compress(torch.randn(3000 if name == "a" else 2000))
+        compressed, _ = ScopedCompression(compressor, "").compress(torch.randn(3000 if name == "a" else 2000))
         started.append(hvd_optimizer.allreduce_async_(compressed, name=name, op=hvd.Average))
     exchange = compressor._sparse_allreduce
     assert exchange._in_flight, "the second tensor's phase 1 is in flight"

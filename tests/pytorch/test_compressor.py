@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from horovod_topk.torch import TopKEF
+from horovod_topk.torch.routing import ScopedCompression
 from horovod_topk.core import PENDING_ATTR
 
 
@@ -42,6 +43,8 @@ def test_plain_hvd_allreduce_with_topkef_stays_correct_dense():
 def _route(comp, grad, name, op=hvd.Average):
     import horovod.torch.optimizer as hvd_optimizer
 
+    if not isinstance(comp, ScopedCompression):  # what a wrapped optimizer hands Horovod
+        comp = ScopedCompression(comp, "")
     marked, ctx = comp.compress(grad)
     handle = hvd_optimizer.allreduce_async_(marked, name=name, op=op)
     out = handle() if callable(handle) else hvd_optimizer.synchronize(handle)
@@ -147,7 +150,7 @@ def test_the_gradient_is_only_read_until_the_reduction_is_waited_for(selector):
     comp = TopKEF(ratio=0.01, min_numel=0, selector=selector)
     grad = torch.randn(100, 50, generator=torch.Generator().manual_seed(6))
     original = grad.clone()
-    marked, ctx = comp.compress(grad)
+    marked, ctx = ScopedCompression(comp, "").compress(grad)
     handle = hvd_optimizer.allreduce_async_(marked, name="w", op=hvd.Average)
     assert ctx.route == "topk" and torch.equal(grad, original)  # what code reading .grad before synchronize() sees
     out = hvd_optimizer.synchronize(handle)
