@@ -85,6 +85,32 @@ def test_a_misleading_sample_rescans_and_puts_the_unsent_candidates_back():
     assert set(indices.tolist()) == set(torch.topk(grad.abs(), k).indices.tolist())
 
 
+def test_a_sample_that_sets_the_threshold_too_low_makes_every_entry_a_candidate_and_k_still_leave():
+    """The opposite of a misleading high sample: tiny values exactly where the kernel samples, large ones elsewhere,
+    so the threshold is near zero and nearly every entry is a candidate: the candidate list grows far past its
+    first capacity (2k + 64) during the pass, and exactly the k largest leave, the others back in the residual."""
+    n, k, sample, seed = 100_000, 1000, 2048, 1
+    runs = sample // 16
+    stride = (n // runs) // 16 * 16
+    start = (seed % (stride // 16)) * 16
+    grad = 1.0 + torch.rand(n, generator=torch.Generator().manual_seed(6))
+    grad[::3] *= -1.0
+    sampled = torch.cat([torch.arange(b, min(b + 16, n)) for b in range(start, n, stride)])
+    grad[sampled] = 1e-6
+    residual = torch.zeros(n)
+    layout = PayloadLayout(k, 4)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    info = K.compress(residual, grad.clone(), None, 0.0, k, layout.values_offset, payload, torch.empty(0), sample,
+                      seed)
+    assert info[0] > 50 * k, f"the first scan found only {info[0]} candidates: the test no longer covers the growth"
+    indices, values = (t[0] for t in ops.unpack(payload, 1, layout, torch.float32))
+    assert indices.numel() == k and torch.all(indices[1:] > indices[:-1])
+    sent = torch.zeros(n)
+    sent[indices.long()] = values
+    torch.testing.assert_close(sent + residual, grad, rtol=0, atol=0)
+    assert set(indices.tolist()) == set(torch.topk(grad.abs(), k).indices.tolist())
+
+
 @pytest.mark.parametrize("distinct", [1, 3, 700])
 def test_ties_at_the_kth_magnitude_give_exactly_k(distinct):
     """Few distinct magnitudes (e.g. quantized gradients): the radix selection ends on a bucket of equal keys."""
