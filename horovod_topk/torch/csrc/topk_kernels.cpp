@@ -121,73 +121,36 @@ inline void add_hits(const float* v, const float* old, int64_t b, unsigned mask,
   } while (mask);
 }
 
-// For each 8-bit hit mask: the lanes of its set bits first, in ascending order (the rest 0). With it the AVX2 pass
-// below packs a vector's hits to the front with one permutation and stores them whole: no branch per element or per
-// block, so the collection costs the same whatever the hits' pattern (a branch on "this block has a hit" is taken
-// about a third of the time at ratio 0.01 and was mispredicted accordingly).
-struct LeftPackLanes {
-  alignas(32) int32_t lanes[256][8];
-  LeftPackLanes() {
-    for (int m = 0; m < 256; ++m) {
-      int c = 0;
-      for (int j = 0; j < 8; ++j)
-        if ((m >> j) & 1) lanes[m][c++] = j;
-      for (; c < 8; ++c) lanes[m][c] = 0;
-    }
-  }
-};
-const LeftPackLanes kLeftPack;
-
-// The common case (float32 residual and gradient, no momentum) with SIMD: compare the magnitudes of a block at once;
-// with AVX2 the hits of each 8 lanes are packed to the front and stored into the candidate list unconditionally
-// (``count`` advances by their number), with SSE2 (every x86-64) only the set bits of the hit mask are walked.
-// A block with a non-finite sum goes through add_hits, which sorts those out (rare: a NaN/Inf gradient).
-__attribute__((target("avx2,popcnt"))) void collect_avx2(float* __restrict__ r, const float* __restrict__ g,
-                                                          int64_t n, float thr, bool compensate,
-                                                          Candidates<float>& out, Candidates<float>& bad,
-                                                          int64_t& done) {
+// The common case (float32 residual and gradient, no momentum) with SIMD: compare the magnitudes of a block at once
+// and walk only the set bits of the hit mask, so the cost of the collection grows with the number of candidates,
+// not with the number of elements. AVX2 (8 floats) when the CPU has it, SSE2 (4 floats, every x86-64) otherwise.
+__attribute__((target("avx2"))) void collect_avx2(float* __restrict__ r, const float* __restrict__ g, int64_t n,
+                                                   float thr, bool compensate, Candidates<float>& out,
+                                                   Candidates<float>& bad, int64_t& done) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 t = _mm256_set1_ps(thr);
-  const __m256 inf = _mm256_set1_ps(INFINITY);
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   constexpr int64_t B = 32;
   int64_t b = 0;
   for (; b + B <= n; b += B) {
     __m256 old[4], v[4];
-    unsigned mask = 0, nonfinite = 0;
+    unsigned mask = 0;
     for (int q = 0; q < 4; ++q) {
       old[q] = v[q] = _mm256_loadu_ps(r + b + 8 * q);
       if (compensate) {
         v[q] = _mm256_add_ps(v[q], _mm256_loadu_ps(g + b + 8 * q));
       }
-      const __m256 magnitude = _mm256_andnot_ps(sign, v[q]);
-      const __m256 hit = _mm256_cmp_ps(magnitude, t, _CMP_NLT_UQ);  // |v| >= thr, or NaN
+      const __m256 hit = _mm256_cmp_ps(_mm256_andnot_ps(sign, v[q]), t, _CMP_NLT_UQ);  // |v| >= thr, or NaN
       _mm256_storeu_ps(r + b + 8 * q, _mm256_andnot_ps(hit, v[q]));  // candidates leave the residual now
       mask |= static_cast<unsigned>(_mm256_movemask_ps(hit)) << (8 * q);
-      nonfinite |= static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(magnitude, inf, _CMP_NLT_UQ)));
     }
-    out.reserve_more(B);
-    if (__builtin_expect(nonfinite != 0, 0)) {
+    if (mask) {
       alignas(32) float values[B], before[B];
       for (int q = 0; q < 4; ++q) {
         _mm256_store_ps(values + 8 * q, v[q]);
         _mm256_store_ps(before + 8 * q, old[q]);
       }
-      if (mask) add_hits(values, before, b, mask, out, bad, r);
-      continue;
+      add_hits(values, before, b, mask, out, bad, r);
     }
-    int32_t* index = out.index.data();
-    float* value = out.value.data();
-    int64_t count = out.count;
-    for (int q = 0; q < 4; ++q) {
-      const unsigned m = (mask >> (8 * q)) & 0xffu;
-      const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLeftPack.lanes[m]));
-      _mm256_storeu_ps(value + count, _mm256_permutevar8x32_ps(v[q], lanes));
-      const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(b + 8 * q)), iota);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(index + count), _mm256_permutevar8x32_epi32(at, lanes));
-      count += __builtin_popcount(m);
-    }
-    out.count = count;
   }
   done = b;
 }
