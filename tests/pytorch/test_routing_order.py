@@ -2,19 +2,11 @@
 (``hvd.DistributedOptimizer(..., compression=ht.TopKEF(...))``) must be the routed function once
 ``horovod_topk.torch`` is imported after ``horovod.torch``; without Horovod loaded, importing the package loads
 none of it."""
-import subprocess
-import sys
-import textwrap
-
-
-def _run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+from tests.new_process import run_code
 
 
 def test_the_function_looked_up_before_topkef_is_the_routed_one():
-    out = _run("""
+    out = run_code("""
         import horovod.torch as hvd
         import horovod_topk.torch as ht
         import torch
@@ -28,7 +20,7 @@ def test_the_function_looked_up_before_topkef_is_the_routed_one():
 
 
 def test_importing_the_package_without_horovod_loaded_loads_none_of_it():
-    out = _run("""
+    out = run_code("""
         import sys
         import horovod_topk.torch
         from horovod_topk.torch.ddp import TopKEFState

@@ -2,19 +2,11 @@
 ``horovod_topk.tensorflow`` is imported (``from horovod.tensorflow.keras import DistributedOptimizer`` at the top of
 a script) must still build update mode's optimizer, because both of Horovod's constructors reach the Keras factory
 that the routing replaces through its module at call time. In a new process, so that nothing is imported yet."""
-import subprocess
-import sys
-import textwrap
-
-
-def _run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+from tests.new_process import run_code
 
 
 def test_distributed_optimizers_looked_up_before_the_package_build_update_mode():
-    out = _run("""
+    out = run_code("""
         import horovod.tensorflow as hvd
         from horovod.tensorflow import DistributedOptimizer as tf_distributed_optimizer
         from horovod.tensorflow.keras import DistributedOptimizer as keras_distributed_optimizer
