@@ -53,4 +53,3 @@ __all__ = ["TopKEF", "TopKConfig", "RankMismatch", "gather_state", "restore_stat
 
 if "horovod.torch" in sys.modules:  # Horovod is loaded: route it now, before any attribute of ours is looked up
     _install_into_horovod()
-
