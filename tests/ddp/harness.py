@@ -27,10 +27,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple,
+           backend: str = "gloo") -> None:
     faulthandler.enable(all_threads=True)  # a worker that aborts in C++ prints where every thread was
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
         result = fn(rank, world_size, *args)
@@ -57,11 +58,13 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[...
         os._exit(0)
 
 
-def run(fn: Callable[..., Any], world_size: int, *args: Any) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` real Gloo workers; their return values in rank order.
-    A worker's exception is re-raised here with its traceback."""
+def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` real workers (Gloo unless ``backend`` names another;
+    NCCL needs a GPU per worker); their return values in rank order. A worker's exception is re-raised here with
+    its traceback."""
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
+        context = mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args, backend),
+                                     nprocs=world_size,
                                      join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_SECONDS
         while not context.join(timeout=1.0):
