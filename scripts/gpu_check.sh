@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What this project runs on a GPU machine (torch with CUDA, no Horovod), most important first, each step under its
 # own time limit so that one slow step cannot starve the rest: the training step through the DDP hook (layer shapes,
-# then real networks), the device path's tests with torch's sync debug mode, the sparse allreduce's arithmetic,
-# then the kernel benchmarks. Logs go to $OUT (or ./gpu-logs).
+# then real networks), the device path's tests with torch's sync debug mode and the DDP hook on NCCL against the
+# CPU, the sparse allreduce's arithmetic, then the kernel benchmarks. Logs go to $OUT (or ./gpu-logs).
 #   bash scripts/gpu_check.sh [pytest args...]
 #   GPU_CHECK_ONLY="tests bucket_step" bash scripts/gpu_check.sh      # only these steps (their logs' names), so that
 #                                                                   # a short device lease spends its time on them
@@ -21,7 +21,8 @@ step() { local log=$1; shift
 step bucket_step.log "$py" benchmarks/bench_bucket_step.py --device cuda --repeat 30
 step bucket_step_real.log "$py" benchmarks/bench_bucket_step.py --device cuda --repeat 20 --real-batch 16
 step tests.log "$py" -m pytest -q -p no:cacheprovider tests/pytorch/test_device_select.py \
-  tests/pytorch/test_triton_select.py tests/pytorch/test_bucket_select.py "$@"
+  tests/pytorch/test_triton_select.py tests/pytorch/test_bucket_select.py tests/ddp/test_ddp_cuda.py \
+  tests/pytorch/test_ddp_auto_clock.py "$@"
 step sparse_rounds.log "$py" benchmarks/bench_sparse_rounds.py --device cuda --models resnet50-25.6M gpt2-small-124M \
   --workers 4 8 --repeat 5
 step bench.log "$py" benchmarks/bench_compress.py --device cuda --repeat 10

@@ -44,7 +44,7 @@ from ..core import checkpoint as core_checkpoint
 from ..core.bucket_plan import BucketPlan, bucket_fingerprint, plan_bucket
 from .bucket_step import BucketStep
 from .checkpoint import TorchTensors
-from .ddp_auto import BucketClock
+from .ddp_auto import StepClock
 from .dist_collectives import all_gather_single as _all_gather_single
 from .selection import dtype_token
 from .state import TorchResiduals
@@ -107,7 +107,7 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         self.buckets_compressed = 0
         self.buckets_grouped = 0
         #: With ratio="auto": where each step begins and what it waited for (torch.ddp_auto).
-        self._clock = BucketClock() if config.auto else None
+        self._clock = StepClock() if config.auto else None
 
     # ---- parameters and plans ------------------------------------------------------------------------------
     def name_of(self, parameter: torch.Tensor) -> str:
@@ -186,7 +186,7 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
     def _after_load(self) -> None:
         self._forget_agreements()
         if self._clock is not None:  # the stamps of a step in progress belong to the state just replaced
-            self._clock = BucketClock()
+            self._clock = StepClock()
 
     def _extra_stats(self) -> Dict[str, Any]:
         return {"buckets": {"reduced": self.buckets_reduced, "compressed": self.buckets_compressed,

@@ -16,16 +16,16 @@ under Horovod; what only the hook can do is say where a step begins and what it 
 the optimizer's ``step()`` starts planning its updates (:func:`begin_update_step`, every rank at the same step), and
 the wait is its wait for the updates' collectives, as under Horovod's update mode.
 
-**CPU buckets only.** The wait is timed on the host from the collectives' futures. On CUDA (NCCL) a collective's
-future completes when its work is queued on a stream, not when it is done, so a host timer would read every wait as
-zero, every dense window as fully hidden behind backward, and auto would stay dense for the wrong reason. Until the
-wait is timed with CUDA events (and that is tested on a GPU), the hook refuses ratio="auto" on a bucket that is not
-on the CPU, at the first bucket on every rank alike, before any collective.
+**On GPUs** a collective's future completes when its work is queued on a stream, not when it is done, so the wait
+is timed with CUDA events (torch.wait_stamps) and the probes synchronise the device around each timed collective.
+Reading the events waits for them: a host synchronisation at the start of a step, taken only in the steps whose
+wait counts toward the next decision (AutoDensity.wait_counts: the WINDOW_STEPS + 1 steps before it); every other
+step is as free of host waits as at a fixed ratio. The probes and the decision's allgather synchronise too, once
+per decision.
 """
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,15 +34,22 @@ from ..core import linkprobe
 from ..core.autodensity import AutoDensity, Measurement
 from .selection import select_seconds_per_entry
 from .dist_collectives import all_gather_single
+from .wait_stamps import CudaStamps, HostStamps, stamps_for
 
-__all__ = ["DistProbes", "measure", "BucketClock", "begin_update_step", "require_cpu"]
+__all__ = ["DistProbes", "measure", "StepClock"]
+
+
+def _settle(device: torch.device) -> None:
+    """Wait for ``device``'s queued work: on a GPU a collective call returns when its work is queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
 class DistProbes:
-    """core.linkprobe.LinkProbes over torch.distributed collectives on ``group``, with tensors on ``device`` (the
-    CPU: BucketClock refuses other buckets before any probe runs). torch.distributed has no collective names:
-    every rank issues the probes in core's order."""
+    """core.linkprobe.LinkProbes over torch.distributed collectives on ``group``, with tensors on ``device`` (on a
+    GPU each timed collective is waited for on the device). torch.distributed has no collective names: every rank
+    issues the probes in core's order."""
 
     group: Any
     device: torch.device
@@ -51,9 +58,11 @@ class DistProbes:
     def allreduce_seconds(self, numel: int, name: str, repeats: int) -> List[float]:
         buf = torch.zeros(numel, dtype=torch.float32, device=self.device)
         times = []
+        _settle(self.device)
         for _ in range(repeats):
             started = time.perf_counter()
             dist.all_reduce(buf, group=self.group)
+            _settle(self.device)
             times.append(time.perf_counter() - started)
         return times
 
@@ -61,10 +70,12 @@ class DistProbes:
         world_size = dist.get_world_size(self.group)
         one = torch.zeros(1, dtype=torch.float32, device=self.device)
         outs = [torch.empty(world_size, dtype=torch.float32, device=self.device) for _ in range(count)]
+        _settle(self.device)
         started = time.perf_counter()
         works = [all_gather_single(out, one, group=self.group, async_op=True) for out in outs]
         for work in works:
             work.wait()
+        _settle(self.device)
         return time.perf_counter() - started
 
     def select_seconds_per_entry(self, numel: int) -> float:
@@ -83,16 +94,6 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], group: Any, d
     return linkprobe.measure(auto, tensors, DistProbes(group, device, selector), dist.get_world_size(group))
 
 
-def require_cpu(device: torch.device) -> None:
-    """Refuse ratio="auto" on tensors off the CPU (module docstring: their waits cannot be timed on the host);
-    raised on every rank alike, before any collective of the step."""
-    if device.type != "cpu":
-        raise ValueError("horovod-topk: ratio='auto' in the DDP hook needs CPU buckets (Gloo): on CUDA a "
-                         "collective's future completes when it is queued, so the step's wait cannot be timed "
-                         "on the host. Pass a fixed ratio to TopKEFState on GPUs, or use ratio='auto' through "
-                         "Horovod's hvd.DistributedOptimizer.")
-
-
 def _begin(state: Any, group: Any, device: torch.device, now: float) -> None:
     """A new step of ``state``'s compressor begins at ``now``: decide first where a decision is due."""
     auto = state.auto
@@ -101,52 +102,60 @@ def _begin(state: Any, group: Any, device: torch.device, now: float) -> None:
                            dist.get_rank(group))
 
 
-def begin_update_step(state: Any, group: Any, device: torch.device) -> None:
-    """Update mode's optimizer step begins (before its updates are planned): the last step's measurement closes,
-    and where a decision is due the probes run and the density in force for this step's plans is decided."""
-    require_cpu(device)
-    _begin(state, group, device, time.perf_counter())
-
-
-class BucketClock:
-    """Where a step begins and what it waited for, from the buckets DDP hands the hook (module docstring)."""
+class StepClock:
+    """Where a step of ratio="auto" begins and what it waited for (module docstring): the hook's buckets
+    (:meth:`bucket`, :meth:`launched`) or update mode's optimizer step (:meth:`begin`, :meth:`ready`,
+    :meth:`done`)."""
 
     def __init__(self) -> None:
-        #: When the hook finished launching the last bucket of the step in progress; 0.0: not yet.
-        self.ready = 0.0
-        #: When the last collective of the step in progress completed (written by collective callbacks, which
-        #: run on the process group's threads: under the lock).
-        self.done = 0.0
-        self._lock = threading.Lock()
+        #: The stamps of the step in progress; None where its wait does not count (nothing is recorded).
+        self._stamps: Optional[Union[HostStamps, CudaStamps]] = None
 
     def __getstate__(self) -> dict:
-        """Pickled empty: host times and a lock mean nothing in another process."""
+        """Pickled empty: host times and CUDA events mean nothing in another process."""
         return {}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
+    def begin(self, state: Any, group: Any, device: torch.device) -> None:
+        """A step begins, every rank at the same step and before any of its collectives: the last step's wait
+        is counted into it and closed, a decision due is taken, and this step's stamps are set up."""
+        auto = state.auto
+        stamps = stamps_for(device)  # raises for a device without a clock, on every rank before any collective
+        if self._stamps is not None:
+            wait = self._stamps.seconds()
+            if wait is not None:
+                auto.waited(wait)
+        self._stamps = None
+        _begin(state, group, device, time.perf_counter())
+        if auto.wait_counts():
+            self._stamps = stamps
+
+    def ready(self) -> None:
+        """The step's last collective is launched and its compute is done (on a GPU: as far as queued)."""
+        if self._stamps is not None:
+            self._stamps.ready()
+
+    def done(self) -> None:
+        """A collective of the step completed (on a GPU: called on a stream that waited for it)."""
+        if self._stamps is not None:
+            self._stamps.done()
+
     def bucket(self, state: Any, bucket: Any, group: Any) -> None:
-        """A bucket reached the hook, before it is planned: at bucket 0, close the last step and decide if due."""
-        if bucket.index() != 0:
-            return
-        device = bucket.buffer().device
-        require_cpu(device)
-        now = time.perf_counter()
-        if self.done > self.ready > 0.0:
-            state.auto.waited(self.done - self.ready)
-        self.ready = self.done = 0.0
-        _begin(state, group, device, now)
+        """A bucket reached the hook, before it is planned: at bucket 0 a step begins."""
+        if bucket.index() == 0:
+            self.begin(state, group, bucket.buffer().device)
 
     def launched(self, bucket: Any, future: torch.futures.Future) -> torch.futures.Future:
         """``future`` (the bucket's result), its completion stamped; the last bucket's launch is stamped too."""
         if bucket.is_last():
-            self.ready = time.perf_counter()
+            self.ready()
+        stamps = self._stamps
 
         def stamp(fut: torch.futures.Future) -> torch.Tensor:
-            now = time.perf_counter()
-            with self._lock:
-                self.done = max(self.done, now)
+            if stamps is not None:
+                stamps.done()
             return fut.value()
 
         return future.then(stamp)

@@ -27,7 +27,6 @@ per rank) resumes exactly. This module imports no Horovod.
 """
 from __future__ import annotations
 
-import time
 import types
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -35,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from ..core.update_mode import NONFINITE_NAME, resolve_target, update_tensor_name
-from . import ddp_auto
 from .bucket_step import BucketStep
 from .local_updates import LocalUpdates
 
@@ -163,9 +161,9 @@ class DDPUpdateStep:
         wait is the wait for these collectives."""
         from .ddp import _check_agreement, launch
 
-        auto = self.state.auto
-        if auto is not None:
-            ddp_auto.begin_update_step(self.state, self.group, entries[0][1].device)
+        clock = self.state._clock
+        if clock is not None:
+            clock.begin(self.state, self.group, entries[0][1].device)
         world_size = dist.get_world_size(self.group)
         launched = []
         for positions in self._buckets(entries):
@@ -178,7 +176,8 @@ class DDPUpdateStep:
                 self.state._verified.add(plan.name)
             step = BucketStep(self.state, plan, buffer, shapes, world_size)
             launched.append((positions, launch(self.state, step, self.group)))
-        waiting = time.perf_counter()
+        if clock is not None:
+            clock.ready()
         with torch.no_grad():
             for positions, future in launched:
                 averaged = future.wait()
@@ -187,8 +186,8 @@ class DDPUpdateStep:
                     p = entries[i][1]
                     p.sub_(averaged[at:at + p.numel()].view_as(p).to(p.dtype))
                     at += p.numel()
-        if auto is not None:
-            auto.waited(time.perf_counter() - waiting)
+        if clock is not None:
+            clock.done()
 
 
 def update_mode_optimizer(optimizer: torch.optim.Optimizer, state: Any) -> torch.optim.Optimizer:

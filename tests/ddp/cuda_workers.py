@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from horovod_topk.torch import wait_stamps
 from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook, update_mode_optimizer
 
 from .workers import batch, flat_params, make_model
@@ -58,3 +59,44 @@ def cuda_against_cpu(rank: int, world_size: int, options: Dict[str, Any], steps:
     gloo = dist.new_group(backend="gloo")
     return {"cpu": _train("cpu", gloo, options, steps, optimizer),
             "cuda": _train("cuda", None, options, steps, optimizer)}
+
+
+def cuda_auto(rank: int, world_size: int, target: str, steps: int) -> Dict[str, Any]:
+    """``steps`` Adam steps through the hook with ratio="auto" on cuda:``rank``: per step, the host waits it took
+    (sync debug mode, which does not count an event's synchronisation), whether its wait counted toward a decision,
+    and the decisions taken so far; and each reading of the CUDA events (the step it closed, the wait read)."""
+    torch.cuda.set_device(rank)
+    model = make_model().to("cuda")
+    state = TopKEFState(named_parameters=model.named_parameters(), ratio="auto", auto_every=20, target=target)
+    reads = []
+    read = wait_stamps.CudaStamps.seconds
+
+    def logged(stamps: wait_stamps.CudaStamps):
+        value = read(stamps)
+        reads.append((state.auto.step, value))
+        return value
+
+    wait_stamps.CudaStamps.seconds = logged
+    ddp = DDP(model, bucket_cap_mb=0.3)
+    ddp.register_comm_hook(state, topk_ef_hook)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    if state.target == "update":
+        opt = update_mode_optimizer(opt, state)
+    log = []
+    for step in range(steps):
+        x, y = (t.to("cuda") for t in batch(0, step))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.zero_grad()
+                F.cross_entropy(ddp(x), y).backward()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        log.append({"syncs": sum("called a synchronizing" in str(w.message) for w in caught),
+                    "counted": state.auto.wait_counts(), "decisions": state.auto.decisions})
+    return {"log": log, "reads": reads, "auto": state.auto.stats(), "samples": list(state.auto._samples),
+            "params": flat_params(model).cpu()}

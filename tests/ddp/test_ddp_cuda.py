@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from horovod_topk.core.autodensity import WINDOW_STEPS
+
 from . import cuda_workers, harness
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
@@ -47,3 +49,25 @@ def test_gpu_update_mode_with_adam_runs():
     decided by rounding (on the CPU alone a 1e-6 relative change of the input reorders them and the residuals
     differ by ~lr), as it is between any two selection kernels."""
     _gpu_and_cpu(dict(ratio=0.05, min_numel=0, target="update"), "adam")
+
+
+@pytest.mark.parametrize("target", ["gradient", "update"])
+def test_gpu_ratio_auto_times_the_device_and_waits_only_where_it_measures(target):
+    """ratio="auto" on NCCL: decisions are taken from waits timed with CUDA events, read only for the steps whose
+    wait counts; in gradient mode a step that reads none and takes no decision makes the host wait nowhere."""
+    (result,) = harness.run(cuda_workers.cuda_auto, 1, target, 50, backend="nccl")
+    log, auto = result["log"], result["auto"]
+    print(f"{target}: auto {auto}")
+    print(f"{target}: host syncs per step {[e['syncs'] for e in log]}")
+    print(f"{target}: (period, wait, compress) ms of the last samples "
+          f"{[tuple(round(v * 1e3, 3) for v in s) for s in result['samples'][-5:]]}")
+    assert auto["decisions"] >= 2 and auto["last"]
+    assert torch.isfinite(result["params"]).all()
+    assert all(0.0 <= wait <= period for period, wait, _ in result["samples"])
+    reads = result["reads"]
+    print(f"{target}: events read after steps {[s for s, _ in reads]}, waits ms {[round(w * 1e3, 4) for _, w in reads]}")
+    assert len(reads) >= WINDOW_STEPS and all(log[s]["counted"] and w is not None and w >= 0.0 for s, w in reads)
+    free = [e for before, e in zip(log, log[1:]) if not e["counted"] and not before["counted"]
+            and e["decisions"] == before["decisions"]]
+    if target == "gradient":
+        assert free and all(e["syncs"] == 0 for e in free), log

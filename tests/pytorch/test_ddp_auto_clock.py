@@ -1,5 +1,6 @@
-"""torch.ddp_auto.BucketClock without a process group: which step a wait is counted in, and the refusal of
-non-CPU buckets. (Its collectives and decisions on real workers: tests/ddp/test_ddp_auto_density.py.)"""
+"""torch.ddp_auto.StepClock and torch.wait_stamps without a process group: which step a wait is counted in, the wait
+timed on a GPU's timeline, and the refusal of devices without a clock. (Its collectives and decisions on real
+workers: tests/ddp/test_ddp_auto_density.py.)"""
 import pickle
 import time
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 from horovod_topk.core import TopKConfig
-from horovod_topk.core.autodensity import SETTLE_STEPS, AutoDensity
-from horovod_topk.torch.ddp_auto import BucketClock
+from horovod_topk.core.autodensity import SETTLE_STEPS, WINDOW_STEPS, AutoDensity
+from horovod_topk.torch.ddp_auto import StepClock
+from horovod_topk.torch.wait_stamps import CudaStamps, HostStamps
 
 
 class Bucket:
@@ -30,7 +32,7 @@ class State:
         self.auto = AutoDensity(TopKConfig(ratio="auto"))
 
 
-def run_step(clock: BucketClock, state: State, wait_s: float, compute_s: float = 0.002) -> None:
+def run_step(clock: StepClock, state: State, wait_s: float, compute_s: float = 0.002) -> None:
     """Two buckets: bucket 0's collective completes at once, the last one's ``wait_s`` after backward ended."""
     buckets = [Bucket(0, False), Bucket(1, True)]
     time.sleep(compute_s)  # backward until bucket 0 is ready
@@ -47,7 +49,7 @@ def run_step(clock: BucketClock, state: State, wait_s: float, compute_s: float =
 
 
 def test_a_steps_wait_is_counted_in_that_step_and_no_other():
-    clock, state = BucketClock(), State()
+    clock, state = StepClock(), State()
     waits = [0.0, 0.0, 0.0, 0.03, 0.0, 0.06, 0.0]
     for wait in waits:
         run_step(clock, state, wait)
@@ -61,13 +63,58 @@ def test_a_steps_wait_is_counted_in_that_step_and_no_other():
     assert all(s[0] >= s[1] for s in samples)  # a wait is part of its step's period
 
 
-def test_buckets_off_the_cpu_are_refused_before_any_collective():
-    with pytest.raises(ValueError, match="CPU buckets"):
-        BucketClock().bucket(State(), Bucket(0, False, device="meta"), group=None)
+def test_buckets_on_a_device_without_a_clock_are_refused_before_any_collective():
+    with pytest.raises(ValueError, match="'meta' have neither"):
+        StepClock().bucket(State(), Bucket(0, False, device="meta"), group=None)
+
+
+def test_only_the_steps_whose_wait_counts_are_stamped():
+    clock, state = StepClock(), State()
+    state.auto.next_decision = 40  # no decision (it would probe the link) in these 35 steps
+    counted = []
+    for _ in range(35):
+        run_step(clock, state, 0.0, compute_s=0.0)
+        counted.append(clock._stamps is not None)
+        assert counted[-1] == state.auto.wait_counts()
+    assert counted.index(True) == 40 - WINDOW_STEPS - 1 and all(counted[29:])
+
+
+def test_host_stamps_count_the_latest_collective_after_ready():
+    stamps = HostStamps()
+    stamps.done()  # a collective done before the step's compute ended: no wait by itself
+    stamps.ready()
+    assert stamps.seconds() is None
+    time.sleep(0.02)
+    stamps.done()
+    assert 0.02 <= stamps.seconds() < 0.2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_stamps_time_the_device_not_the_host():
+    """A collective stand-in that keeps a side stream busy ~100 ms after the host has moved on: the host sees
+    (almost) no wait, the events see it."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1)  # the first launch's own setup (~10 ms seen on an H100) stays out of the timing
+    torch.cuda.synchronize()
+    stamps = CudaStamps()
+    stamps.ready()
+    side.wait_stream(torch.cuda.current_stream())
+    host_started = time.perf_counter()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(2e8))  # ~110 ms of a busy kernel at the H100's clocks
+    torch.cuda.current_stream().wait_stream(side)
+    stamps.done()  # recorded on a stream that waited for the "collective", as in a future's callback
+    host_s = time.perf_counter() - host_started
+    device_s = stamps.seconds()
+    print(f"host {host_s * 1e3:.2f} ms, device {device_s * 1e3:.2f} ms")
+    assert host_s < 0.04 < device_s < 1.0
 
 
 def test_a_pickled_clock_starts_empty():
-    clock = BucketClock()
-    clock.ready, clock.done = 5.0, 7.0
+    clock, state = StepClock(), State()
+    for _ in range(3):
+        run_step(clock, state, 0.0, compute_s=0.0)
+    assert clock._stamps is not None
     copy = pickle.loads(pickle.dumps(clock))
-    assert (copy.ready, copy.done) == (0.0, 0.0)
+    assert copy._stamps is None
