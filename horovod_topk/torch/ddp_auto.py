@@ -13,7 +13,7 @@ under Horovod; what only the hook can do is say where a step begins and what it 
   counted as compression (torch.state), so it is not counted twice.
 
 **Update mode** (torch.ddp_update) exchanges after the local step, not from the hook: there a step begins where
-the optimizer's ``step()`` starts planning its updates (:func:`begin_update_step`, every rank at the same step), and
+the optimizer's ``step()`` starts planning its updates (:meth:`StepClock.begin`, every rank at the same step), and
 the wait is its wait for the updates' collectives, as under Horovod's update mode.
 
 **On GPUs** a collective's future completes when its work is queued on a stream, not when it is done, so the wait
