@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001"]
 #: The two exchanges of a compressed tensor, forced (exchange="auto" weighs bytes and collectives and keeps these
 #: models' tensors on the allgather up to P = 4 at least: docs/how-it-works.md, "Exchanges"): measured on request.
-EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto", "update0.01",
+EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", "topk0.1", "auto", "auto-update",
+                 "update0.01",
                  "update-calibrated0.01", "compact0.1", "update-compact-calibrated0.1",
                  "update-compact-calibrated0.023"]
 MODELS = ["mlp", "digits", "charlm", "gptlm"]
@@ -82,8 +83,8 @@ def compression_for(method: str):
 
     if method in ("dense", "fp16"):
         return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
-    if method == "auto":  # ratio="auto" with its defaults (budget 0.1)
-        return TopKEF(ratio="auto", target="gradient")
+    if method in ("auto", "auto-update"):  # ratio="auto" with its defaults (budget 0.1), gradient or update mode
+        return TopKEF(ratio="auto", target="update" if method == "auto-update" else "gradient")
     if method.startswith(("update", "compact")):  # benchmarks/convergence.py's names for the same settings
         # update mode: each rank's own optimizer steps, its update travels; "calibrated" is the default for Adam
         # (its noise-share sketch added); "compact": 16-bit indices and float8 values, 3 bytes per entry
@@ -129,7 +130,7 @@ def worker(method: str, steps: int, warmup: int, model_name: str) -> None:
     opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
                                    compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    if method == "auto":  # past the first decision and the check after it: the step time of the density chosen
+    if method.startswith("auto"):  # past the first decision and the check after it: the density chosen's step
         from horovod_topk.core.autodensity import SETTLE_STEPS, WINDOW_STEPS
 
         warmup = max(warmup, 2 * (SETTLE_STEPS + WINDOW_STEPS) + 2)
@@ -155,7 +156,7 @@ def worker(method: str, steps: int, warmup: int, model_name: str) -> None:
         print(f"E2E method={method} t_compute={mean[0]:.5f} t_step={mean[1]:.5f} tx_per_step={mean[2]:.0f} "
               f"reported_per_step={mean[3] if mean[3] is not None else 'NA'}", flush=True)
         print("E2E tensors=" + json.dumps(tensors), flush=True)
-        if method == "auto":
+        if method.startswith("auto"):
             last = compression.stats()["auto"]["last"]
             print("E2E auto=" + json.dumps({"ratio": compression.auto.ratio, "reason": last.get("reason"),
                                             "predicted_s": last.get("predicted_s"),

@@ -45,13 +45,14 @@ EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.0
 
 
 #: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
-#: in the method's name; the other methods' steps do not depend on the link and run on localhost.
-AUTO_METHODS = ["auto@100mbit", "auto@1gbit", "auto@10gbit"]
+#: in the method's name; the other methods' steps do not depend on the link and run on localhost. "auto" in gradient
+#: mode, "auto-update" in update mode (what target="auto" picks for Adam/AdamW: the product's default path there).
+AUTO_METHODS = [f"{auto}@{rate}" for auto in ("auto", "auto-update") for rate in ("100mbit", "1gbit", "10gbit")]
 
 
 def testbed_rate(method: str) -> Optional[str]:
-    """The shaped rate an ``auto@<rate>`` run needs, None for the others."""
-    return method.partition("@")[2] or None if method.startswith("auto@") else None
+    """The shaped rate an ``auto@<rate>`` or ``auto-update@<rate>`` run needs, None for the others."""
+    return method.partition("@")[2] or None if method.startswith(("auto@", "auto-update@")) else None
 
 
 def compression_for(method: str, warmup_steps: int):
@@ -60,9 +61,9 @@ def compression_for(method: str, warmup_steps: int):
     from horovod_topk.torch import TopKEF
 
     # gradient mode named, not left to target="auto" (which would exchange updates for the language models' Adam):
-    # these methods are the gradient-mode rows of the tables
+    # these methods are the gradient-mode rows of the tables; update mode only where the name says so
     if testbed_rate(method):
-        return TopKEF(ratio="auto", target="gradient")
+        return TopKEF(ratio="auto", target="update" if method.startswith("auto-update") else "gradient")
     return {
         "dense": hvd.Compression.none,
         "fp16": hvd.Compression.fp16,

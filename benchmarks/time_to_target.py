@@ -62,7 +62,8 @@ def main() -> None:
     runs: Dict[str, List[dict]] = {}
     # ratio="auto" decides from the link, so its steps come from its run on the test bed at each rate
     # (benchmarks/convergence.py --methods auto@<rate>); the other methods' steps do not depend on the link
-    wanted = [m for m in methods if m != "auto"] + [f"auto@{rate}" for rate in rates if "auto" in methods]
+    autos = [m for m in methods if m in ("auto", "auto-update")]  # gradient and update mode
+    wanted = [m for m in methods if m not in autos] + [f"{m}@{rate}" for m in autos for rate in rates]
     for method in wanted:
         paths = [conv / result_name(args.task, method, s, args.budget, args.workers) for s in args.seeds]
         missing = [str(p) for p in paths if not p.exists()]
@@ -94,16 +95,17 @@ def main() -> None:
         dense_steps = [x for x in reach["dense"] if x]
         dense_time = sum(dense_steps) / len(dense_steps) * step_s["dense"] if dense_steps else None
         for method in methods:
-            key = f"auto@{rate}" if method == "auto" else method
+            auto = method in autos
+            key = f"{method}@{rate}" if auto else method
             per_seed = ", ".join(str(x) if x else "-" for x in reach[key])
             shown = method
-            if method == "auto" and "train_seconds" in runs[key][0]:
+            if auto and "train_seconds" in runs[key][0]:
                 # the auto runs themselves ran on this link: their own training time to the target, measured
                 chosen = sorted({str(r.get("auto", {}).get("ratio")) for r in runs[key]})
-                shown = f"auto (chose {'/'.join(chosen).replace('None', 'dense')}; time measured in the run)"
+                shown = f"{method} (chose {'/'.join(chosen).replace('None', 'dense')}; time measured in the run)"
                 times = [r["train_seconds"][r["evals"].index(x)] for r, x in zip(runs[key], reach[key]) if x]
             if all(reach[key]):
-                t = (sum(times) / len(times) if method == "auto" and "train_seconds" in runs[key][0] else
+                t = (sum(times) / len(times) if auto and "train_seconds" in runs[key][0] else
                      sum(reach[key]) / len(reach[key]) * step_s[method])
                 cell = f"{t:.1f} s"
                 rel = f"{t / dense_time:.2f}x" if dense_time else "–"
