@@ -211,7 +211,7 @@ def run_all(workers_list, rates, methods, steps, warmup, model, plot, json_path)
     for r in rows:
         rep = f"{r['handed_bytes_per_step'] / 1e6:.3f} MB" if r["handed_bytes_per_step"] is not None else "–"
         shown = r["method"] if not r.get("auto") else (
-            f"auto (chose {'dense' if r['auto']['ratio'] is None else r['auto']['ratio']})")
+            f"{r['method']} (chose {'dense' if r['auto']['ratio'] is None else r['auto']['ratio']})")
         print(f"| {r['workers']} | {r['rate']} | {shown} | {r['t_compute_s'] * 1e3:.1f} | "
               f"{r['t_step_s'] * 1e3:.1f} | {r['t_compute_s'] / r['t_step_s']:.0%} | "
               f"{r['tx_bytes_per_step'] / 1e6:.3f} MB | {rep} |")
