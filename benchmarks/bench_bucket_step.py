@@ -18,7 +18,8 @@ step by step so that the machine's noise hits them alike:
 run of the grouped kernels, torch.bucket_select), ``topk-alone`` (the same, each member selected on its own; on the
 CPU the same as ``topk``: the fused kernel runs per member there), ``topk-graphs`` (``topk`` with each bucket's
 selection recorded once as a CUDA graph and replayed: HOROVOD_TOPK_CUDA_GRAPHS=1, torch.group_graphs; GPU only).
-One elementwise pass (``r.add_(g)`` over every
+On request ``auto`` (ratio="auto": with one worker nothing travels, so it stays dense after its first decision at
+step 12; what its clock, probes and dense path add to DDP's step). One elementwise pass (``r.add_(g)`` over every
 gradient) is timed in the same steps, as the unit the CPU numbers are given in.
 """
 from __future__ import annotations
@@ -120,7 +121,8 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
             batch, loss_of = (torch.ones((), device=device),), (lambda out: out)
         ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
         if method != "dense":
-            states[method] = TopKEFState(ratio=ratio, named_parameters=module.named_parameters())
+            states[method] = TopKEFState(ratio="auto" if method == "auto" else ratio,
+                                         named_parameters=module.named_parameters())
             ddp.register_comm_hook(states[method], timed_hook(hook_ms.setdefault(method, [])))
         models[method] = ddp
         inputs[method] = (batch, loss_of)
@@ -272,7 +274,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS + ["auto"])
     parser.add_argument("--real-batch", type=int, default=0,
                         help="time a real network of each size (torchvision's ResNet-50 on this many 224x224 images, "
                              "a GPT-2-small-sized decoder on this many 256-token sequences) instead of the shapes "
