@@ -86,7 +86,13 @@ class TorchResiduals:
 
     def _send_leftovers(self, record: TensorRecord[torch.Tensor], tensor: torch.Tensor) -> None:
         """``tensor`` goes dense this step: the leftovers of its earlier compressed steps travel in it, so nothing
-        is lost. A non-finite gradient keeps them for a later step (AMP skips the step, or it is lost anyway)."""
+        is lost. A non-finite gradient keeps them for a later step (AMP skips the step, or it is lost anyway).
+
+        On the CPU, once sent, the residual is dropped (a later compressed step makes a new one, zeros, as on its
+        first step): otherwise every later dense step would add and zero an all-zero buffer, three passes over the
+        tensor for nothing, for as long as the tensor stays dense (ratio="auto" back to dense, say). On a GPU the
+        finiteness is not read (a host read per tensor and step would stall the job), so the residual stays and is
+        added with the kernel that keeps it where the gradient is not finite."""
         if record.residual is None:
             return
         if tensor.device.type != "cpu":  # a host read per tensor and dense step would stall a job that went dense
@@ -94,7 +100,7 @@ class TorchResiduals:
             return
         if bool(torch.isfinite(tensor).all()):  # reading the flag is free on the CPU
             tensor.add_(record.residual.to(tensor.dtype).view(tensor.shape))
-            record.residual.zero_()
+            record.residual = None
         else:
             record.nonfinite_steps += 1
 

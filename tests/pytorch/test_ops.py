@@ -86,3 +86,24 @@ def test_add_leftovers_sends_them_with_a_finite_tensor_and_keeps_them_otherwise(
     assert int(flag) == 1
     assert torch.equal(residual, torch.tensor([0.5, -0.25, 0.0, 1.0]))  # kept for a later step
     assert bad[0] == 1.0 and bad[2] == 3.0  # nothing of the leftovers went into a non-finite step
+
+
+def test_leftovers_travel_once_then_a_dense_tensor_costs_nothing():
+    """On the CPU a tensor that goes dense sends its residual once and drops it: later dense steps leave the
+    gradient as it is, a non-finite gradient keeps the residual, and a later compressed step starts from zeros."""
+    from horovod_topk.torch.ddp import TopKEFState
+
+    state = TopKEFState(ratio=0.5, min_numel=0)
+    record = state.registry.record("w", (8,))
+    record.residual = torch.arange(8.0)
+    bad = torch.full((8,), float("nan"))
+    state._send_leftovers(record, bad)
+    assert torch.equal(record.residual, torch.arange(8.0)) and record.nonfinite_steps == 1
+    first = torch.ones(8)
+    state._send_leftovers(record, first)
+    assert torch.equal(first, 1.0 + torch.arange(8.0)) and record.residual is None
+    second = torch.ones(8)
+    state._send_leftovers(record, second)
+    assert torch.equal(second, torch.ones(8))
+    residual, _ = state._state_buffers("w", record, torch.ones(8))
+    assert torch.equal(residual, torch.zeros(8)) and record.residual is residual
