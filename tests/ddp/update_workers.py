@@ -49,7 +49,7 @@ def logged_step(model, state, ddp, opt, rank: int, step: int, dtype: torch.dtype
     for name, p in model.named_parameters():
         key = "update." + name
         record = state.registry.records.get(key)
-        if record is None or record.residual is None:
+        if record is None or (record.residual is None and key not in old):
             continue
         s = opt.state[p]
         if "exp_avg" in s:  # Adam's keys: each rank's own moments ("local", "calibrated")
@@ -59,7 +59,9 @@ def logged_step(model, state, ddp, opt, rank: int, step: int, dtype: torch.dtype
             entry["local"][name] = (LR * m_hat / (v_hat.sqrt() + EPS)).reshape(-1)
         entry["applied"][name] = (before[name] - p.detach().double()).reshape(-1)
         entry["old"][name] = old.get(key, torch.zeros(p.numel(), dtype=torch.float64)).reshape(-1)
-        entry["new"][name] = record.residual.double().reshape(-1).clone()
+        # None: sent whole on a dense step and dropped (torch.state._send_leftovers on the CPU): zeros
+        entry["new"][name] = (record.residual.double().reshape(-1).clone() if record.residual is not None
+                              else torch.zeros(p.numel(), dtype=torch.float64))
     return entry
 
 
