@@ -94,14 +94,6 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], group: Any, d
     return linkprobe.measure(auto, tensors, DistProbes(group, device, selector), dist.get_world_size(group))
 
 
-def _begin(state: Any, group: Any, device: torch.device, now: float) -> None:
-    """A new step of ``state``'s compressor begins at ``now``: decide first where a decision is due."""
-    auto = state.auto
-    if auto.begin(auto.step + 1, now):
-        state._auto_decide(measure(auto, state._auto_tensors(), group, device, state.config.selector),
-                           dist.get_rank(group))
-
-
 class StepClock:
     """Where a step of ratio="auto" begins and what it waited for (module docstring): the hook's buckets
     (:meth:`bucket`, :meth:`launched`) or update mode's optimizer step (:meth:`begin`, :meth:`ready`,
@@ -128,7 +120,9 @@ class StepClock:
             if wait is not None:
                 auto.waited(wait)
         self._stamps = None
-        _begin(state, group, device, time.perf_counter())
+        if auto.begin(auto.step + 1, time.perf_counter()):
+            state._auto_decide(measure(auto, state._auto_tensors(), group, device, state.config.selector),
+                               dist.get_rank(group))
         if auto.wait_counts():
             self._stamps = stamps
 

@@ -16,6 +16,28 @@ from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook, update_mode_optimi
 from .workers import batch, flat_params, make_model
 
 
+def _step(ddp: DDP, opt: Any, x: torch.Tensor, y: torch.Tensor, count_waits: bool) -> int:
+    """One whole step (zero_grad, forward, backward and the hook, the optimizer's step); with ``count_waits``, the
+    host waits it took (torch's sync debug mode, which does not count an event's synchronisation), else -1."""
+    if count_waits:
+        torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if count_waits:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        finally:
+            if count_waits:
+                torch.cuda.set_sync_debug_mode(0)
+    if not count_waits:
+        return -1
+    torch.cuda.synchronize()
+    return sum("called a synchronizing" in str(w.message) for w in caught)
+
+
 def _train(device: str, group: Any, options: Dict[str, Any], steps: int, optimizer: str) -> Dict[str, Any]:
     model = make_model().to(device)
     state = TopKEFState(named_parameters=model.named_parameters(), process_group=group, **options)
@@ -25,24 +47,9 @@ def _train(device: str, group: Any, options: Dict[str, Any], steps: int, optimiz
         torch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
     if state.target == "update":
         opt = update_mode_optimizer(opt, state)
-    syncs = -1
     for step in range(steps):
         x, y = (t.to(device) for t in batch(0, step))  # copied before the count: a pageable copy waits
-        last = device == "cuda" and step == steps - 1
-        if last:  # the host waits counted in the last whole step (zero_grad, forward, backward, hook, step)
-            torch.cuda.synchronize()
-            caught = warnings.catch_warnings(record=True)
-            log = caught.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        if last:
-            torch.cuda.set_sync_debug_mode(0)
-            caught.__exit__(None, None, None)
-            torch.cuda.synchronize()
-            syncs = sum("called a synchronizing" in str(w.message) for w in log)
+        syncs = _step(ddp, opt, x, y, count_waits=device == "cuda" and step == steps - 1)  # the last step's
     residuals = {name: record.residual.detach().cpu().clone() for name, record in state.registry
                  if record.residual is not None}
     return {"params": flat_params(model).cpu(), "residuals": residuals, "syncs": syncs,
@@ -51,8 +58,9 @@ def _train(device: str, group: Any, options: Dict[str, Any], steps: int, optimiz
 
 def cuda_against_cpu(rank: int, world_size: int, options: Dict[str, Any], steps: int,
                      optimizer: str) -> Dict[str, Any]:
-    """``steps`` steps of ``optimizer`` ("adam" or "sgd": with momentum) through the hook with ``options`` on the CPU (a Gloo group beside the NCCL one) and on
-    cuda:``rank``, from the same model and batches; TF32 off so that both compute in float32."""
+    """``steps`` steps of ``optimizer`` ("adam" or "sgd": with momentum) through the hook with ``options`` on the
+    CPU (a Gloo group beside the NCCL one) and on cuda:``rank``, from the same model and batches; TF32 off so that
+    both compute in float32."""
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -63,7 +71,7 @@ def cuda_against_cpu(rank: int, world_size: int, options: Dict[str, Any], steps:
 
 def cuda_auto(rank: int, world_size: int, target: str, steps: int) -> Dict[str, Any]:
     """``steps`` Adam steps through the hook with ratio="auto" on cuda:``rank``: per step, the host waits it took
-    (sync debug mode, which does not count an event's synchronisation), whether its wait counted toward a decision,
+    (:func:`_step`), whether its wait counted toward a decision,
     and the decisions taken so far; and each reading of the CUDA events (the step it closed, the wait read)."""
     torch.cuda.set_device(rank)
     model = make_model().to("cuda")
@@ -85,18 +93,7 @@ def cuda_auto(rank: int, world_size: int, target: str, steps: int) -> Dict[str, 
     log = []
     for step in range(steps):
         x, y = (t.to("cuda") for t in batch(0, step))
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                opt.zero_grad()
-                F.cross_entropy(ddp(x), y).backward()
-                opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        log.append({"syncs": sum("called a synchronizing" in str(w.message) for w in caught),
+        log.append({"syncs": _step(ddp, opt, x, y, count_waits=True),
                     "counted": state.auto.wait_counts(), "decisions": state.auto.decisions})
     return {"log": log, "reads": reads, "auto": state.auto.stats(), "samples": list(state.auto._samples),
             "params": flat_params(model).cpu()}
