@@ -349,6 +349,7 @@ class AutoDensity:
     def decide(self, tensors: Sequence[Tuple[str, int]], m: Measurement, grad_itemsize: int = 4) -> Choice:
         """Take the decision due at this step from the reduced measurement ``m`` (the same on every rank)."""
         first = self.decisions == 0
+        window_ratio = self.ratio
         if self.ratio is None:  # a dense window: compute, and what backward hid of dense's communication
             self.compute_s = m.compute_s
             raw, _, _ = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
@@ -374,6 +375,11 @@ class AutoDensity:
             "ratio": self.ratio,
             "reason": choice.reason,
             "measured_step_s": m.period_s,
+            #: the density in force over the measured window, and its compute (step less wait and compression);
+            #: ``compute_s`` is what the prediction uses: the last dense window's (a sparse window's compute holds
+            #: compression costs beyond selection, so it is not taken as compute)
+            "window_ratio": window_ratio,
+            "window_compute_s": m.compute_s,
             "compute_s": self.compute_s,
             "bandwidth_bps": link.bandwidth_bps,
             "latency_s": link.latency_s,
