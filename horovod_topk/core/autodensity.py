@@ -10,9 +10,11 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
    the latency of one collective; a large one: the rate), and reduces everything over ranks (max of each column,
    rows gathered so every rank computes the same numbers);
 3. predicts the step time of dense and of every density of DENSITIES with core.costmodel's per-tensor routes
-   and bytes (the same plan_tensor the compressor executes) and takes **the largest density whose communication
-   beyond compute fits the budget** (exposed <= budget x step), dense when dense fits, else the densest within
-   the budget of the fastest; never one predicted slower than dense;
+   and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
+   density d is taken to need, d ** -sparsity_cost times dense's (a prior from steps-to-target runs: the
+   compressor never sees the loss). It takes **the largest density whose communication beyond compute fits the
+   budget** (exposed <= budget x step), dense when dense fits, else the densest within the budget of the soonest
+   to the target; a denser one predicted sooner to the target instead; never one predicted later than dense;
 4. decides again every ``auto_every`` steps (and soon after every change, to check the prediction against the
    measured step), changing its mind only with hysteresis.
 
@@ -52,6 +54,8 @@ __all__ = [
     "link_from_probes",
     "predict_steps",
     "choose_density",
+    "steps_factor",
+    "to_target",
     "AutoDensity",
     "CHOICES",
     "choice_index",
@@ -87,7 +91,7 @@ def choice_index(ratio: Optional[float]) -> int:
 
 def config_at(config: TopKConfig, ratio: float) -> TopKConfig:
     """The fixed-ratio configuration a ratio="auto" compressor plans with while ``ratio`` is in force."""
-    return replace(config, ratio=ratio, budget=None, auto_every=None)
+    return replace(config, ratio=ratio, budget=None, auto_every=None, sparsity_cost=None)
 
 
 def dense_plan(numel: int) -> TensorPlan:
@@ -159,12 +163,14 @@ def link_from_probes(small_s: float, large_s: float, large_nbytes: float) -> Lin
 
 @dataclass(frozen=True)
 class Choice:
-    """One decision: ``ratio`` (None: dense), why, and the predicted step time of every candidate."""
+    """One decision: ``ratio`` (None: dense), why, the predicted step time of every candidate, and its predicted
+    time to the target in dense-step units (step time x steps_factor: what the decision compares)."""
 
     ratio: Optional[float]
     reason: str
     predicted_s: Dict[str, float]
     exposed_s: Dict[str, float]
+    to_target_s: Dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -173,6 +179,19 @@ class Choice:
 
 def label(ratio: Optional[float]) -> str:
     return "dense" if ratio is None else f"{ratio:g}"
+
+
+def steps_factor(ratio: Optional[float], sparsity_cost: float) -> float:
+    """How many times dense's steps density ``ratio`` is taken to need to dense's loss: ratio ** -sparsity_cost
+    (1 for dense and fp16, whose losses match dense's). A prior, not a measurement of this job: the compressor
+    never sees the loss. Its exponent comes from steps-to-target runs (core.config.DEFAULT_SPARSITY_COST)."""
+    return 1.0 if ratio is None else float(ratio) ** -float(sparsity_cost)
+
+
+def to_target(steps: Mapping[str, float], sparsity_cost: float) -> Dict[str, float]:
+    """Predicted time to the target per candidate label, in dense-step units: step time x steps_factor."""
+    factors = {label(r): steps_factor(r, sparsity_cost) for r in DENSITIES}
+    return {key: seconds * factors.get(key, 1.0) for key, seconds in steps.items()}
 
 
 def predict_steps(
@@ -201,7 +220,7 @@ def predict_steps(
         steps[method] = compute_s + exposed[method]
         compressed[method] = 0
     for ratio in DENSITIES:
-        cfg = replace(config, ratio=ratio, budget=None, auto_every=None)
+        cfg = replace(config, ratio=ratio, budget=None, auto_every=None, sparsity_cost=None)
         routes = route_tensors("topk", tensors, world_size, config=cfg, grad_itemsize=grad_itemsize)
         chained = COLLECTIVES[SPARSE_ALLREDUCE] * sum(1 for r in routes if r.route == SPARSE_ALLREDUCE)
         collectives = collectives_per_step(routes, "topk", world_size, grad_itemsize, link) - chained
@@ -236,47 +255,55 @@ def choose_density(
     """The density for the next steps (None: dense). Pure: every rank computes it from the same numbers.
 
     The largest density (dense first) whose exposed communication fits ``config.budget`` of the step; if none
-    fits, the densest whose step is within the budget of the fastest one (entries not sent cost convergence: a
-    density is worth taking only for time it saves); never one predicted slower than dense. Against ``current``
-    (unless ``first``): a denser choice is taken if it is predicted FASTER faster or fits the budget with HYSTERESIS
-    to spare, a sparser one only if ``current`` misses the budget by HYSTERESIS or is predicted HYSTERESIS slower.
+    fits, the densest whose predicted time to the target is within the budget of the best one (entries not sent
+    cost convergence: a density is worth taking only for time it saves). A denser choice predicted to reach the
+    target sooner is taken instead, and never one predicted to reach it later than dense. Time to the target is
+    step time x steps_factor (``config.sparsity_cost``; 0: step time alone). Against ``current`` (unless
+    ``first``): a denser choice is taken if it is predicted FASTER sooner or fits the budget with HYSTERESIS to
+    spare, a sparser one only if ``current`` misses the budget by HYSTERESIS or is predicted HYSTERESIS later.
     """
     budget = float(config.budget if config.budget is not None else 0.0)
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
                                       hidden_s=hidden_s, offset_s=offset_s, grad_itemsize=grad_itemsize)
+    time = to_target(steps, float(config.sparsity_cost or 0.0))
+
+    def choice(ratio: Optional[float], why: str) -> Choice:
+        return Choice(ratio, why, steps, exposed, time)
+
     if m.world_size <= 1:
-        return Choice(None, "one worker: nothing travels", steps, exposed)
+        return choice(None, "one worker: nothing travels")
     order: List[Optional[float]] = [None, *DENSITIES]
     fitting = [r for r in order if _fits(label(r), steps, exposed, budget)]
     if fitting:
         best = fitting[0]
         why = "dense fits the budget" if best is None else "the largest density that fits the budget"
-    else:  # compress no more than the link needs: the densest step within the budget of the fastest one
-        fastest = min(steps[label(r)] for r in order)
-        best = next(r for r in order if steps[label(r)] <= fastest * (1 + budget) + 1e-12)
-        why = "nothing fits the budget: the densest within the budget of the fastest"
-    if steps[label(best)] > steps["dense"]:
-        best, why = None, "no density is predicted faster than dense"
+    else:  # compress no more than the link needs: the densest within the budget of the best time to the target
+        soonest = min(time[label(r)] for r in order)
+        best = next(r for r in order if time[label(r)] <= soonest * (1 + budget) + 1e-12)
+        why = "nothing fits the budget: the densest within the budget of the soonest to the target"
+    sooner = [r for r in order[:order.index(best)] if time[label(r)] < time[label(best)]]
+    if sooner:  # denser and predicted to reach the target sooner, though its communication misses the budget
+        best = min(sooner, key=lambda r: time[label(r)])
+        why = "the soonest to the target of the densities denser than the largest that fits the budget"
+    if time[label(best)] > time["dense"]:
+        best, why = None, "no density is predicted to reach the target sooner than dense"
     if first or best == current:
-        return Choice(best, why, steps, exposed)
+        return choice(best, why)
     cur = label(current)
     position = order.index
-    if position(best) < position(current):  # denser than now: with room to spare, or faster than now
-        if steps[cur] > steps[label(best)] * (1 + FASTER):
-            return Choice(best, why + f" (the current density is predicted slower than {label(best)})", steps,
-                          exposed)
+    if position(best) < position(current):  # denser than now: with room to spare, or sooner than now
+        if time[cur] > time[label(best)] * (1 + FASTER):
+            return choice(best, why + f" (the current density is predicted later to the target than {label(best)})")
         denser = [r for r in order[:position(current)] if _fits(label(r), steps, exposed, budget, 1 / (1 + HYSTERESIS))
-                  and steps[label(r)] <= steps["dense"]]
+                  and time[label(r)] <= time["dense"]]
         if denser:
-            return Choice(denser[0], "the link has room for a denser payload", steps, exposed)
-        return Choice(current, f"kept (hysteresis: {label(best)} does not fit with {HYSTERESIS:.0%} to spare)",
-                      steps, exposed)
+            return choice(denser[0], "the link has room for a denser payload")
+        return choice(current, f"kept (hysteresis: {label(best)} does not fit with {HYSTERESIS:.0%} to spare)")
     misses = not _fits(cur, steps, exposed, budget, 1 + HYSTERESIS)
-    slower = steps[cur] > steps[label(best)] * (1 + HYSTERESIS)
-    if misses or slower:
-        return Choice(best, why + (" (the current density misses it)" if misses else " (the current one is slower)"),
-                      steps, exposed)
-    return Choice(current, f"kept (hysteresis: {label(best)} is not {HYSTERESIS:.0%} better)", steps, exposed)
+    later = time[cur] > time[label(best)] * (1 + HYSTERESIS)
+    if misses or later:
+        return choice(best, why + (" (the current density misses it)" if misses else " (the current one is later)"))
+    return choice(current, f"kept (hysteresis: {label(best)} is not {HYSTERESIS:.0%} better)")
 
 
 @dataclass
@@ -386,6 +413,7 @@ class AutoDensity:
             "hidden_s": self.hidden_s,
             "offset_s": self.offset_s,
             "predicted_s": dict(choice.predicted_s),
+            "to_target_s": dict(choice.to_target_s),
             "world_size": m.world_size,
         }
         self.next_decision = self.step + (SETTLE_STEPS + WINDOW_STEPS if changed else self.config.auto_every)
@@ -414,13 +442,17 @@ class AutoDensity:
         """The one log line of a decision that changed the density."""
         last = self.last
         predicted = last.get("predicted_s", {})
-        shown = ", ".join(f"{key} {predicted[key] * 1e3:.0f} ms" for key in dict.fromkeys(("dense", "fp16", label(self.ratio)))
-                          if key in predicted)
+        target = last.get("to_target_s", {})
+        shown = ", ".join(
+            f"{key} {predicted[key] * 1e3:.0f} ms" + (f" (x{target[key] / predicted[key]:.2f} steps)"
+                                                     if key in target and predicted[key] and target[key] != predicted[key]
+                                                     else "")
+            for key in dict.fromkeys(("dense", "fp16", label(self.ratio))) if key in predicted)
         return (f"horovod-topk auto: step {last.get('step')}: link {last.get('bandwidth_bps', 0) / 1e6:.1f} Mbit/s, "
                 f"latency {last.get('latency_s', 0) * 1e3:.2f} ms, compute {last.get('compute_s', 0) * 1e3:.0f} ms, "
                 f"measured step {last.get('measured_step_s', 0) * 1e3:.0f} ms; predicted {shown}; "
                 f"-> {'dense' if self.ratio is None else f'ratio {self.ratio:g}'} ({last.get('reason')}; budget "
-                f"{self.config.budget:.0%})")
+                f"{self.config.budget:.0%}, sparsity_cost {self.config.sparsity_cost:g})")
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

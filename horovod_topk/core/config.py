@@ -14,7 +14,7 @@ from .buckets import DEFAULT_BUCKET_BYTES
 from .exchange import COLLECTIVE_LATENCY_BYTES, EXCHANGES
 
 __all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS", "TARGETS", "SECOND_MOMENTS",
-           "AUTO", "DEFAULT_BUDGET", "DEFAULT_AUTO_EVERY"]
+           "AUTO", "DEFAULT_BUDGET", "DEFAULT_AUTO_EVERY", "DEFAULT_SPARSITY_COST"]
 
 #: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
 #: "exact": the framework's top-k over all entries (the reference).
@@ -48,6 +48,13 @@ DEFAULT_BUDGET = 0.1
 #: With ratio="auto": steps between decisions once the density has settled (each decision probes the link with
 #: two allreduces; after a change the next decision comes after one window, to check the prediction).
 DEFAULT_AUTO_EVERY = 200
+#: With ratio="auto": density d is taken to need d ** -sparsity_cost times dense's steps to dense's loss, so a
+#: density is chosen for the time it saves to the target, not per step. 0.1 (0.01 -> 1.58x dense's steps, 0.1 ->
+#: 1.26x): steps to 1.01x dense's loss measured on Adam-trained language models gave exponents 0.10-0.13 in
+#: gradient mode (the GRU at 0.1 and 0.025, the transformer at 0.1 and 0.027, converged budgets) and 0.04-0.11 in
+#: update mode; the digits CNN under SGD reached dense's accuracy at 0.01 in dense's epochs (exponent ~0).
+#: docs/auto-density.md, "Steps to the target".
+DEFAULT_SPARSITY_COST = 0.1
 
 #: Entries per shared second-moment value unless the user says otherwise (core.update_mode says why this size).
 DEFAULT_SECOND_MOMENT_BLOCK = 256
@@ -73,6 +80,10 @@ class TopKConfig:
         budget (float): with ratio="auto", the share of the step communication and compression may take beyond
             what overlaps compute, in (0, 1). Default 0.1.
         auto_every (int): with ratio="auto", steps between decisions once settled. Default 200.
+        sparsity_cost (float): with ratio="auto", how many more steps a sparser density is taken to need to the
+            same loss: density d needs d ** -sparsity_cost times dense's steps, and auto chooses by predicted time
+            to the target (step time x steps). In [0, 1]; default 0.1 (measured on Adam-trained language models);
+            0 chooses by step time alone (models that train as well sparse, e.g. CNNs under SGD).
         k (int, optional): a fixed number of entries per tensor instead of a ratio (capped at the tensor's size).
             Fixed k keeps every rank's payload the same size, as ``ratio`` does too.
         min_numel (int): tensors with fewer elements go through Horovod's ordinary dense allreduce. Biases and
@@ -169,6 +180,7 @@ class TopKConfig:
     second_moment_sketch: int = DEFAULT_SECOND_MOMENT_SKETCH
     budget: Optional[float] = None
     auto_every: Optional[int] = None
+    sparsity_cost: Optional[float] = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
@@ -179,8 +191,9 @@ class TopKConfig:
                 raise ValueError(f"ratio must be a number in (0, 1] or 'auto', got {self.ratio!r}")
             if not (math.isfinite(self.ratio) and 0.0 < self.ratio <= 1.0):
                 raise ValueError(f"ratio must be in (0, 1] or 'auto', got {self.ratio!r}")
-            if self.budget is not None or self.auto_every is not None:
-                raise ValueError("budget and auto_every apply to ratio='auto' only (a fixed ratio sends what it says)")
+            if self.budget is not None or self.auto_every is not None or self.sparsity_cost is not None:
+                raise ValueError("budget, auto_every and sparsity_cost apply to ratio='auto' only (a fixed ratio "
+                                 "sends what it says)")
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
             raise ValueError(f"k must be a positive integer (or None to use ratio), got {self.k!r}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
@@ -254,12 +267,18 @@ class TopKConfig:
             raise ValueError(f"budget must be a share of the step in (0, 1), got {budget!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"auto_every must be a positive number of steps, got {every!r}")
+        cost = DEFAULT_SPARSITY_COST if self.sparsity_cost is None else self.sparsity_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not (
+                math.isfinite(cost) and 0.0 <= cost <= 1.0):
+            raise ValueError(f"sparsity_cost must be an exponent in [0, 1] (density d takes d ** -sparsity_cost "
+                             f"times dense's steps), got {cost!r}")
         if self.k is not None:
             raise ValueError("ratio='auto' chooses the density itself: leave k unset")
         if self.warmup_steps:
             raise ValueError("ratio='auto' runs its first steps dense while it measures: leave warmup_steps at 0")
         object.__setattr__(self, "budget", float(budget))
         object.__setattr__(self, "auto_every", every)
+        object.__setattr__(self, "sparsity_cost", float(cost))
 
     @property
     def auto(self) -> bool:
@@ -289,7 +308,7 @@ class TopKConfig:
             f", {name}={getattr(self, name)!r}"
             for name in ("selector", "value_dtype", "index_bits", "dense_fallback", "warmup_steps", "momentum",
                          "spike_guard", "exchange", "collective_latency_bytes", "target", "second_moment",
-                         "second_moment_block", "budget", "auto_every", "bucket_bytes")
+                         "second_moment_block", "budget", "auto_every", "sparsity_cost", "bucket_bytes")
             if getattr(self, name) != getattr(defaults, name)
         )
         return f"TopKConfig({amount}, min_numel={self.min_numel}{extras})"

@@ -20,14 +20,14 @@ from .exchange import DENSE, EXCHANGES
 
 __all__ = ["FINGERPRINT_LENGTH", "RankMismatch", "fingerprint", "mismatch_message", "check_name"]
 
-_VERSION = 6
+_VERSION = 7
 _MAX_DIMS = 8
 #: Element dtypes by the names both frameworks print ("float32", not "torch.float32"); others encode as -1.
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
 #: The fields of a fingerprint, in order; the shape takes the last _MAX_DIMS + 1 slots (ndim, then the dims).
 _FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "index_bits", "dense_fallback", "warmup_steps",
            "momentum", "dtype", "numel", "step", "decision", "exchange", "route", "target", "second_moment",
-           "second_moment_block", "second_moment_sketch", "budget", "auto_every", "bucket_bytes")
+           "second_moment_block", "second_moment_sketch", "budget", "auto_every", "sparsity_cost", "bucket_bytes")
 #: What a "route" field encodes: the exchange a tensor actually takes this step (core.exchange).
 _ROUTES = (DENSE,) + EXCHANGES
 FINGERPRINT_LENGTH = len(_FIELDS) + 1 + _MAX_DIMS
@@ -57,7 +57,7 @@ def _bits_float(bits: int) -> float:
 def _shown_float(field: str, value: float) -> str:
     if value == -1.0 and field == "ratio":
         return "'auto'"
-    if value == -1.0 and field == "budget":
+    if value == -1.0 and field in ("budget", "sparsity_cost"):
         return "None"
     return f"{value:g}"
 
@@ -101,6 +101,7 @@ def fingerprint(
         int(config.second_moment_sketch),
         _float_bits(config.budget if config.budget is not None else -1.0),
         -1 if config.auto_every is None else int(config.auto_every),
+        _float_bits(config.sparsity_cost if config.sparsity_cost is not None else -1.0),
         int(config.bucket_bytes),
         len(dims),
     ]
@@ -114,7 +115,7 @@ def _readable(rows: Sequence[Sequence[int]]) -> List[Tuple[str, List[str]]]:
     out: List[Tuple[str, List[str]]] = []
     for i, field in enumerate(_FIELDS):
         column = [int(r[i]) for r in rows]
-        if field in ("ratio", "momentum", "budget"):
+        if field in ("ratio", "momentum", "budget", "sparsity_cost"):
             shown = [_shown_float(field, _bits_float(v)) for v in column]
         elif field == "exchange":
             shown = [repr(EXCHANGES[v]) if 0 <= v < len(EXCHANGES) else "?" for v in column]

@@ -11,6 +11,7 @@ from horovod_topk.core.autodensity import (
     Measurement,
     choose_density,
     predict_steps,
+    steps_factor,
 )
 from horovod_topk.core.consistency import fingerprint, mismatch_message
 
@@ -35,6 +36,10 @@ def link(rate_bps, *, compute=0.2, latency=2e-4, lone=1e-3, select=1e-9, period=
     (dict(ratio="auto", auto_every=0), "auto_every"),
     (dict(ratio=0.01, budget=0.2), "budget"),
     (dict(ratio=0.01, auto_every=5), "auto_every"),
+    (dict(ratio=0.01, sparsity_cost=0.1), "sparsity_cost"),
+    (dict(ratio="auto", sparsity_cost=-0.1), "sparsity_cost"),
+    (dict(ratio="auto", sparsity_cost=float("nan")), "sparsity_cost"),
+    (dict(ratio="auto", sparsity_cost="high"), "sparsity_cost"),
     (dict(ratio="fast"), "ratio"),
 ])
 def test_bad_auto_options_name_the_option(options, match):
@@ -43,7 +48,7 @@ def test_bad_auto_options_name_the_option(options, match):
 
 
 def test_auto_fills_its_defaults_and_round_trips():
-    assert (AUTO.budget, AUTO.auto_every, AUTO.auto) == (0.1, 200, True)
+    assert (AUTO.budget, AUTO.auto_every, AUTO.sparsity_cost, AUTO.auto) == (0.1, 200, 0.1, True)
     assert TopKConfig.from_dict(AUTO.to_dict()) == AUTO
     assert "ratio='auto'" in AUTO.describe()
 
@@ -75,6 +80,58 @@ def test_one_worker_is_dense_and_nothing_is_chosen_slower_than_dense():
     slow_select = choose_density(TENSORS, AUTO, link(10e9, select=1e-6), current=None, first=True)
     assert slow_select.ratio is None and slow_select.predicted_s["dense"] <= min(
         slow_select.predicted_s[f"{d:g}"] for d in DENSITIES)
+
+
+def test_steps_factor_is_one_for_dense_and_grows_as_the_density_falls():
+    assert steps_factor(None, 0.1) == 1.0 and steps_factor(0.01, 0.0) == 1.0
+    assert steps_factor(0.01, 0.1) == pytest.approx(10 ** 0.2)  # 1.58x dense's steps
+    factors = [steps_factor(d, 0.1) for d in DENSITIES]
+    assert factors == sorted(factors) and factors[0] > 1.0
+
+
+def _balanced(rate_bps):
+    """A job whose compute (0.3 s) and dense communication are of the same order: the sparse step saves a few tens
+    of percent, the case a per-step choice gets wrong when sparsity costs steps."""
+    return link(rate_bps, compute=0.3, select=2e-9)
+
+
+@pytest.mark.parametrize("rate", [6e9, 1e10])
+def test_a_density_that_saves_less_per_step_than_it_costs_in_steps_is_not_chosen(rate):
+    per_step = choose_density(TENSORS, TopKConfig(ratio="auto", sparsity_cost=0.0), _balanced(rate), current=None,
+                              first=True)
+    to_target = choose_density(TENSORS, AUTO, _balanced(rate), current=None, first=True)
+    times = to_target.to_target_s
+    assert per_step.predicted_s == to_target.predicted_s  # the same step predictions, compared differently
+    assert times["dense"] == to_target.predicted_s["dense"] and times["fp16"] == to_target.predicted_s["fp16"]
+    for d in DENSITIES:
+        assert times[f"{d:g}"] == pytest.approx(to_target.predicted_s[f"{d:g}"] * steps_factor(d, 0.1))
+    assert times[to_target.label] <= times["dense"]  # never later to the target than dense
+    # the step-time choice compresses; the predicted time to target of that density is later than dense's
+    assert per_step.ratio is not None and times[per_step.label] > times["dense"], (rate, times)
+    assert to_target.ratio is None
+
+
+def test_a_higher_sparsity_cost_never_chooses_a_sparser_density():
+    for rate in (1e7, 1e8, 3e8, 1e9, 3e9, 1e10, 3e10):
+        chosen = [choose_density(TENSORS, TopKConfig(ratio="auto", sparsity_cost=cost), _balanced(rate),
+                                 current=None, first=True).ratio for cost in (0.0, 0.05, 0.1, 0.2, 0.5)]
+        order = [-1 if r is None else DENSITIES.index(r) for r in chosen]
+        assert order == sorted(order, reverse=True), (rate, chosen)
+    # over a slow link compression still pays for its steps: dense's step is ~8x the sparse one's
+    slow = choose_density(TENSORS, AUTO, _balanced(1e8), current=None, first=True)
+    assert slow.ratio is not None and slow.to_target_s[slow.label] < slow.to_target_s["dense"] / 3
+
+
+def test_a_denser_choice_sooner_to_the_target_replaces_the_largest_that_fits():
+    """The budget's rule alone takes the largest density that fits; one denser that misses the budget but is
+    predicted to reach the target sooner wins."""
+    m = _balanced(1e9)
+    cfg0, cfg = TopKConfig(ratio="auto", sparsity_cost=0.0, budget=0.2), TopKConfig(ratio="auto", budget=0.2)
+    fits = choose_density(TENSORS, cfg0, m, current=None, first=True)
+    sooner = choose_density(TENSORS, cfg, m, current=None, first=True)
+    assert "fits the budget" in fits.reason and fits.ratio is not None
+    assert sooner.ratio is not None and sooner.ratio > fits.ratio and "soonest to the target" in sooner.reason
+    assert sooner.to_target_s[sooner.label] < sooner.to_target_s[fits.label]
 
 
 def test_a_chained_sparse_allreduce_pays_a_lone_collective_per_phase():
@@ -121,6 +178,8 @@ def test_the_state_object_measures_after_settling_and_decides_on_schedule():
     assert auto.next_decision == auto.step + SETTLE_STEPS + WINDOW_STEPS
     assert auto.effective_config().ratio == auto.ratio and auto.effective_config().budget is None
     assert "Mbit/s" in auto.summary_line() and f"ratio {auto.ratio:g}" in auto.summary_line()
+    assert "sparsity_cost 0.1" in auto.summary_line() and " steps)" in auto.summary_line()  # x d**-0.1 shown
+    assert auto.last["to_target_s"] == choice.to_target_s and auto.last["window_ratio"] is None
 
     # a sparse window measured far slower than predicted: the offset says so and dense comes back
     auto.step = auto.next_decision
@@ -170,6 +229,9 @@ def test_the_fingerprint_carries_auto_and_its_budget():
     assert rows[0] != rows[1] != fingerprint(TopKConfig(ratio=0.01), (64, 64), "float32", 3, None, "dense")
     message = mismatch_message("w", rows)
     assert "budget (rank 0: 0.1, rank 1: 0.2)" in message and "ratio (" not in message
+    costs = [fingerprint(TopKConfig(ratio="auto", sparsity_cost=c), (64, 64), "float32", 3, None, "dense")
+             for c in (0.1, 0.0)]
+    assert "sparsity_cost (rank 0: 0.1, rank 1: 0)" in mismatch_message("w", costs)
     shown = mismatch_message("w", [rows[0], fingerprint(TopKConfig(ratio=0.5), (64, 64), "float32", 3, None,
                                                          "dense")])
     assert "ratio (rank 0: 'auto', rank 1: 0.5)" in shown
