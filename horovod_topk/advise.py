@@ -28,7 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from horovod_topk.core.config import INDEX_BITS, VALUE_DTYPES, TopKConfig
+from horovod_topk.core.autodensity import steps_factor
+from horovod_topk.core.config import DEFAULT_SPARSITY_COST, INDEX_BITS, VALUE_DTYPES, TopKConfig
 from horovod_topk.core.costmodel import (
     latency_bytes,
     BANDWIDTH_EFFICIENCY,
@@ -275,11 +276,26 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
         else:
             notes.append(f"does not pay: TopKEF auto {_ms(auto.t_step_s)} ms per step against "
                          f"{_ms(best_dense.t_step_s)} ms for {label}")
-        notes.append("per step only: Top-K may need more steps to the same accuracy (docs/convergence.md)")
+        notes.append(to_target_note(auto.t_step_s, best_dense.t_step_s, label, config.ratio))
         sparse = [r for r in auto.routes if r.route == SPARSE_ALLREDUCE]
         if sparse:
             notes.append(sparse_allreduce_note(len(sparse), workers, config.ratio))
     return rows, notes
+
+
+def to_target_note(t_topk_s: float, t_dense_s: float, dense_label: str, ratio: Optional[float],
+                   sparsity_cost: float = DEFAULT_SPARSITY_COST) -> str:
+    """Per step is not to the target: a sparser density needs more steps to the same loss. ratio="auto" prices
+    that with ratio ** -sparsity_cost times dense's steps (core.autodensity.steps_factor); the advisor says what
+    the same prior makes of this ratio, so both choose by one model."""
+    if ratio is None:
+        return "to the target: Top-K may need more steps to the same accuracy (docs/convergence.md)"
+    factor = steps_factor(ratio, sparsity_cost)
+    t_target = t_topk_s * factor
+    verdict = "sooner" if t_target < t_dense_s else "later"
+    return (f"to the target: ratio {ratio:g} taken to need {factor:.2f}x dense's steps (ratio ** -{sparsity_cost:g}, "
+            f"docs/auto-density.md): {_ms(t_target)} ms per dense step against {_ms(t_dense_s)} ms for "
+            f"{dense_label}, {verdict} (ratio=\"auto\" chooses this way)")
 
 
 def sparse_allreduce_note(tensors: int, workers: int, ratio: Optional[float]) -> str:
