@@ -47,12 +47,15 @@ EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.0
 #: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
 #: in the method's name; the other methods' steps do not depend on the link and run on localhost. "auto" in gradient
 #: mode, "auto-update" in update mode (what target="auto" picks for Adam/AdamW: the product's default path there).
-AUTO_METHODS = [f"{auto}@{rate}" for auto in ("auto", "auto-update") for rate in ("100mbit", "1gbit", "10gbit")]
+#: "dense@<rate>" and "fp16@<rate>": the baselines on the same bed, so that their training time is measured in the
+#: run the same way as auto's (time_to_target.py --bed-methods), not multiplied from another job's step time.
+BED_RATES = ("100mbit", "1gbit", "10gbit")
+AUTO_METHODS = [f"{method}@{rate}" for method in ("auto", "auto-update", "dense", "fp16") for rate in BED_RATES]
 
 
 def testbed_rate(method: str) -> Optional[str]:
-    """The shaped rate an ``auto@<rate>`` or ``auto-update@<rate>`` run needs, None for the others."""
-    return method.partition("@")[2] or None if method.startswith(("auto@", "auto-update@")) else None
+    """The shaped rate a ``<method>@<rate>`` run needs (AUTO_METHODS), None for the others."""
+    return method.partition("@")[2] or None if method in AUTO_METHODS else None
 
 
 def compression_for(method: str, warmup_steps: int):
@@ -62,8 +65,9 @@ def compression_for(method: str, warmup_steps: int):
 
     # gradient mode named, not left to target="auto" (which would exchange updates for the language models' Adam):
     # these methods are the gradient-mode rows of the tables; update mode only where the name says so
-    if testbed_rate(method):
+    if testbed_rate(method) and method.startswith("auto"):
         return TopKEF(ratio="auto", target="update" if method.startswith("auto-update") else "gradient")
+    method = method.partition("@")[0]  # dense@<rate>, fp16@<rate>: the baselines on the bed
     return {
         "dense": hvd.Compression.none,
         "fp16": hvd.Compression.fp16,
@@ -172,14 +176,15 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
 
     task = make_task(task_name)
     budget_steps = LM_BUDGETS[task_name][budget]
-    steps = budget_steps if method in ("dense", "fp16") else int(OVERRUN * budget_steps)
+    base = method.partition("@")[0]  # dense@<rate>: dense, on the test bed
+    steps = budget_steps if base in ("dense", "fp16") else int(OVERRUN * budget_steps)
     every = max(10, budget_steps // 40)
     model, base_opt, sched = task.build(seed, budget_steps)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = compression_for(method, warmup_steps=budget_steps // 4)
     opt = hvd.DistributedOptimizer(base_opt, named_parameters=model.named_parameters(), compression=compression)
     dense_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
-    wire_bytes_per_step = dense_bytes_per_step // 2 if method == "fp16" else dense_bytes_per_step
+    wire_bytes_per_step = dense_bytes_per_step // 2 if base == "fp16" else dense_bytes_per_step
     gen = torch.Generator().manual_seed(seed * 100 + hvd.rank())
     evals, valid, train, sent, seconds, shares = [], [], [], [], [], []
     total, training = 0.0, 0.0  # training: wall time of the steps alone (evaluations excluded)

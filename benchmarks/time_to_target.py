@@ -17,6 +17,12 @@ assume as well.
     python benchmarks/time_to_target.py --task digits --workers 4 --e2e results/e2e_digits_p4.json
     python benchmarks/time_to_target.py --task gptlm --workers 4 --e2e results/e2e_auto_gptlm_p4.json \
         --rates 100mbit --methods dense fp16 auto        # auto's runs: convergence.py --methods auto@100mbit
+
+ratio="auto" decides from the link, so its runs are on the test bed at each rate (convergence.py --methods
+auto@<rate>) and their time to the target is measured in the run. ``--bed-methods dense fp16 auto`` takes dense's
+and fp16's the same way (convergence.py --methods dense@<rate> fp16@<rate>): one clock for every row, where the
+product with another job's step time differs by the bed's job-to-job spread (~10%); "vs dense" is then against
+dense's run on the bed.
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ def main() -> None:
     parser.add_argument("--convergence", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--methods", nargs="+", help="only these methods of the e2e JSON (dense is needed)")
     parser.add_argument("--rates", nargs="+", help="only these rates of the e2e JSON (e.g. 100mbit)")
+    parser.add_argument("--bed-methods", nargs="+", default=["auto", "auto-update"],
+                        help="methods whose runs are <method>@<rate> on the test bed, timed in the run")
     parser.add_argument("--steps-per-epoch", type=int,
                         help="digits: optimizer steps per epoch at this P (default: 1437 training images / P / 32)")
     args = parser.parse_args()
@@ -60,10 +68,10 @@ def main() -> None:
     rates: List[str] = [r for r in dict.fromkeys(r["rate"] for r in rows) if not args.rates or r in args.rates]
     conv = Path(args.convergence)
     runs: Dict[str, List[dict]] = {}
-    # ratio="auto" decides from the link, so its steps come from its run on the test bed at each rate
-    # (benchmarks/convergence.py --methods auto@<rate>); the other methods' steps do not depend on the link
-    autos = [m for m in methods if m in ("auto", "auto-update")]  # gradient and update mode
-    wanted = [m for m in methods if m not in autos] + [f"{m}@{rate}" for m in autos for rate in rates]
+    bed = [m for m in methods if m in args.bed_methods]
+    # dense's runs on localhost set the target (one per table, whatever the link); the bed's runs are timed
+    wanted = list(dict.fromkeys(["dense"] + [m for m in methods if m not in bed]
+                                + [f"{m}@{rate}" for m in bed for rate in rates]))
     for method in wanted:
         paths = [conv / result_name(args.task, method, s, args.budget, args.workers) for s in args.seeds]
         missing = [str(p) for p in paths if not p.exists()]
@@ -71,8 +79,6 @@ def main() -> None:
             parser.error(f"no convergence run for {method}: {', '.join(missing)} (run benchmarks/convergence.py "
                          f"--workers {args.workers} --tasks {args.task} --methods {method})")
         runs[method] = [json.loads(p.read_text()) for p in paths]
-    if "dense" not in runs:
-        parser.error("the e2e JSON needs a dense row: dense's final loss is the target")
 
     if args.task == "digits":
         # digits_data's 80% split of 1797 images, split over the workers, batch 32 (convergence.py records it too)
@@ -87,33 +93,42 @@ def main() -> None:
         limit = int(OVERRUN * LM_BUDGETS[args.task][args.budget])
         what = f"validation loss <= {target:.4f} (1.01 x dense's final, mean over seeds)"
 
-    print(f"{args.task}, {args.workers} workers, target {what}; step times from {args.e2e} ({e2e['model']})")
+    def timed_in_run(key: str) -> Optional[float]:
+        """Mean over seeds of the run's own training time to the target (None unless every seed reached it)."""
+        if not all(reach[key]) or "train_seconds" not in runs[key][0]:
+            return None
+        times = [r["train_seconds"][r["evals"].index(x)] for r, x in zip(runs[key], reach[key])]
+        return sum(times) / len(times)
+
+    print(f"{args.task}, {args.workers} workers, target {what}; step times from {args.e2e} ({e2e['model']})"
+          + (f"; {', '.join(bed)}: runs on the test bed, timed in the run" if bed else ""))
     print("| bandwidth | method | steps to target (per seed) | step time (ms) | time to target | vs dense |")
     print("|---|---|---|---|---|---|")
     for rate in rates:
         step_s = {r["method"]: r["t_step_s"] for r in rows if r["rate"] == rate}
-        dense_steps = [x for x in reach["dense"] if x]
-        dense_time = sum(dense_steps) / len(dense_steps) * step_s["dense"] if dense_steps else None
+        dense_key = f"dense@{rate}" if "dense" in bed else "dense"
+        dense_steps = [x for x in reach[dense_key] if x]
+        dense_time = (timed_in_run(dense_key) if "dense" in bed else
+                      sum(dense_steps) / len(dense_steps) * step_s["dense"] if dense_steps else None)
         for method in methods:
-            auto = method in autos
-            key = f"{method}@{rate}" if auto else method
+            on_bed = method in bed
+            key = f"{method}@{rate}" if on_bed else method
             per_seed = ", ".join(str(x) if x else "-" for x in reach[key])
-            shown = method
-            if auto and "train_seconds" in runs[key][0]:
-                # the auto runs themselves ran on this link: their own training time to the target, measured
-                chosen = sorted({str(r.get("auto", {}).get("ratio")) for r in runs[key]})
-                shown = f"{method} (chose {'/'.join(chosen).replace('None', 'dense')}; time measured in the run)"
-                times = [r["train_seconds"][r["evals"].index(x)] for r, x in zip(runs[key], reach[key]) if x]
+            shown, step = method, step_s[method]
+            t = timed_in_run(key) if on_bed else None
+            if on_bed:
+                chosen = sorted({str(r.get("auto", {}).get("ratio")) for r in runs[key] if "auto" in r})
+                shown += (f" (chose {'/'.join(chosen).replace('None', 'dense')}; " if chosen else " (") + "timed in the run)"
+                if t is not None:  # the run's own step time, for the column
+                    step = t / (sum(reach[key]) / len(reach[key]))
             if all(reach[key]):
-                t = (sum(times) / len(times) if auto and "train_seconds" in runs[key][0] else
-                     sum(reach[key]) / len(reach[key]) * step_s[method])
+                t = t if t is not None else sum(reach[key]) / len(reach[key]) * step
                 cell = f"{t:.1f} s"
                 rel = f"{t / dense_time:.2f}x" if dense_time else "–"
             else:
-                t = limit * step_s[method]
+                t = limit * step
                 cell, rel = f"not reached in {limit} steps (> {t:.1f} s)", "–"
-            print(f"| {rate} | {shown} | {per_seed} | {step_s[method] * 1e3:.1f} | {cell} | {rel} |")
-
+            print(f"| {rate} | {shown} | {per_seed} | {step * 1e3:.1f} | {cell} | {rel} |")
 
 if __name__ == "__main__":
     main()
