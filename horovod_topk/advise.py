@@ -295,7 +295,7 @@ def to_target_note(t_topk_s: float, t_dense_s: float, dense_label: str, ratio: O
     verdict = "sooner" if t_target < t_dense_s else "later"
     return (f"to the target: ratio {ratio:g} taken to need {factor:.2f}x dense's steps (ratio ** -{sparsity_cost:g}, "
             f"docs/auto-density.md): {_ms(t_target)} ms per dense step against {_ms(t_dense_s)} ms for "
-            f"{dense_label}, {verdict} (ratio=\"auto\" chooses this way)")
+            f"{dense_label}, {verdict} (the prior ratio=\"auto\" chooses by)")
 
 
 def sparse_allreduce_note(tensors: int, workers: int, ratio: Optional[float]) -> str:

@@ -254,13 +254,14 @@ def choose_density(
 ) -> Choice:
     """The density for the next steps (None: dense). Pure: every rank computes it from the same numbers.
 
-    The largest density (dense first) whose exposed communication fits ``config.budget`` of the step; if none
-    fits, the densest whose predicted time to the target is within the budget of the best one (entries not sent
-    cost convergence: a density is worth taking only for time it saves). A denser choice predicted to reach the
-    target sooner is taken instead, and never one predicted to reach it later than dense. Time to the target is
-    step time x steps_factor (``config.sparsity_cost``; 0: step time alone). Against ``current`` (unless
-    ``first``): a denser choice is taken if it is predicted FASTER sooner or fits the budget with HYSTERESIS to
-    spare, a sparser one only if ``current`` misses the budget by HYSTERESIS or is predicted HYSTERESIS later.
+    Time to the target is step time x steps_factor (``config.sparsity_cost``; 0: step time alone). The largest
+    density (dense first) whose exposed communication fits ``config.budget`` of the step, unless a denser one is
+    predicted to reach the target sooner (then the soonest of those); if none fits, the densest within FASTER of
+    the soonest to the target (with sparsity_cost 0: within the budget of the fastest step, the budget standing in
+    for what entries not sent cost); never one predicted to reach it later than dense. Against ``current`` (unless
+    ``first``, or ``current`` is predicted later than dense): a denser choice is taken if it is predicted FASTER
+    sooner or fits the budget with HYSTERESIS to spare, a sparser one only if ``current`` misses the budget by
+    HYSTERESIS or is predicted HYSTERESIS later.
     """
     budget = float(config.budget if config.budget is not None else 0.0)
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
@@ -277,10 +278,13 @@ def choose_density(
     if fitting:
         best = fitting[0]
         why = "dense fits the budget" if best is None else "the largest density that fits the budget"
-    else:  # compress no more than the link needs: the densest within the budget of the best time to the target
+    else:  # compress no more than the link needs: the densest near the soonest to the target. With sparsity_cost
+        # 0 "near" is the budget, a proxy for what entries not sent cost; a positive cost prices that already, so
+        # only a FASTER tie goes to the denser one.
         soonest = min(time[label(r)] for r in order)
-        best = next(r for r in order if time[label(r)] <= soonest * (1 + budget) + 1e-12)
-        why = "nothing fits the budget: the densest within the budget of the soonest to the target"
+        near = budget if not config.sparsity_cost else FASTER
+        best = next(r for r in order if time[label(r)] <= soonest * (1 + near) + 1e-12)
+        why = "nothing fits the budget: the densest near the soonest to the target"
     sooner = [r for r in order[:order.index(best)] if time[label(r)] < time[label(best)]]
     if sooner:  # denser and predicted to reach the target sooner, though its communication misses the budget
         best = min(sooner, key=lambda r: time[label(r)])
@@ -290,6 +294,8 @@ def choose_density(
     if first or best == current:
         return choice(best, why)
     cur = label(current)
+    if time[cur] > time["dense"] * (1 + 1e-12):  # hysteresis never keeps a density predicted later than dense
+        return choice(best, why + " (the current density is predicted later to the target than dense)")
     position = order.index
     if position(best) < position(current):  # denser than now: with room to spare, or sooner than now
         if time[cur] > time[label(best)] * (1 + FASTER):

@@ -51,7 +51,7 @@ DEFAULT_AUTO_EVERY = 200
 #: With ratio="auto": density d is taken to need d ** -sparsity_cost times dense's steps to dense's loss, so a
 #: density is chosen for the time it saves to the target, not per step. 0.1 (0.01 -> 1.58x dense's steps, 0.1 ->
 #: 1.26x): steps to 1.01x dense's loss measured on Adam-trained language models gave exponents 0.10-0.13 in
-#: gradient mode (the GRU at 0.1 and 0.025, the transformer at 0.1 and 0.027, converged budgets) and 0.04-0.11 in
+#: gradient mode (the GRU at 0.1 and 0.025, the transformer at 0.1 and 0.027, converged budgets) and 0.03-0.11 in
 #: update mode; the digits CNN under SGD reached dense's accuracy at 0.01 in dense's epochs (exponent ~0).
 #: docs/auto-density.md, "Steps to the target".
 DEFAULT_SPARSITY_COST = 0.1

@@ -134,6 +134,21 @@ def test_a_denser_choice_sooner_to_the_target_replaces_the_largest_that_fits():
     assert sooner.to_target_s[sooner.label] < sooner.to_target_s[fits.label]
 
 
+def test_when_nothing_fits_the_choice_is_within_faster_of_the_soonest_to_the_target():
+    for rate in (3e7, 1e8, 1.58e8, 3e8, 1e9):
+        choice = choose_density(TENSORS, AUTO, link(rate), current=None, first=True)
+        if "nothing fits" in choice.reason:
+            assert choice.to_target_s[choice.label] <= min(choice.to_target_s.values()) * (1 + FASTER) + 1e-12
+
+
+def test_hysteresis_never_keeps_a_density_predicted_later_than_dense():
+    cfg = TopKConfig(ratio="auto", budget=0.5)
+    m = link(1e9, compute=1.0, select=1e-8)
+    kept = choose_density(TENSORS, cfg, m, current=0.3, first=False, offset_s=0.02)
+    assert kept.to_target_s["0.3"] > kept.to_target_s["dense"]  # the current density is later than dense here
+    assert kept.ratio != 0.3 and kept.to_target_s[kept.label] <= kept.to_target_s["dense"], kept.reason
+
+
 def test_a_chained_sparse_allreduce_pays_a_lone_collective_per_phase():
     cfg = TopKConfig(ratio="auto", exchange="sparse_allreduce")
     cheap = predict_steps(TENSORS, cfg, link(1e9, lone=0.0), compute_s=0.2, hidden_s=0.0, offset_s=0.0)[0]
