@@ -449,11 +449,14 @@ class AutoDensity:
         last = self.last
         predicted = last.get("predicted_s", {})
         target = last.get("to_target_s", {})
+        # dense, fp16, the choice, and the density soonest to the target (what a dense choice turned down)
+        sparse = [label(r) for r in DENSITIES if label(r) in target]
+        soonest = min(sparse, key=lambda key: target[key]) if sparse else label(self.ratio)
         shown = ", ".join(
             f"{key} {predicted[key] * 1e3:.0f} ms" + (f" (x{target[key] / predicted[key]:.2f} steps)"
                                                      if key in target and predicted[key] and target[key] != predicted[key]
                                                      else "")
-            for key in dict.fromkeys(("dense", "fp16", label(self.ratio))) if key in predicted)
+            for key in dict.fromkeys(("dense", "fp16", label(self.ratio), soonest)) if key in predicted)
         return (f"horovod-topk auto: step {last.get('step')}: link {last.get('bandwidth_bps', 0) / 1e6:.1f} Mbit/s, "
                 f"latency {last.get('latency_s', 0) * 1e3:.2f} ms, compute {last.get('compute_s', 0) * 1e3:.0f} ms, "
                 f"measured step {last.get('measured_step_s', 0) * 1e3:.0f} ms; predicted {shown}; "
