@@ -106,10 +106,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for rate in rates:
         step_s = {r["method"]: r["t_step_s"] for r in rows if r["rate"] == rate}
-        dense_key = f"dense@{rate}" if "dense" in bed else "dense"
-        dense_steps = [x for x in reach[dense_key] if x]
-        dense_time = (timed_in_run(dense_key) if "dense" in bed else
-                      sum(dense_steps) / len(dense_steps) * step_s["dense"] if dense_steps else None)
+        if "dense" in bed:
+            dense_time = timed_in_run(f"dense@{rate}")
+        else:
+            dense_steps = [x for x in reach["dense"] if x]
+            dense_time = sum(dense_steps) / len(dense_steps) * step_s["dense"] if dense_steps else None
         for method in methods:
             on_bed = method in bed
             key = f"{method}@{rate}" if on_bed else method

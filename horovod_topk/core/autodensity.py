@@ -13,8 +13,8 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
    and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
    density d is taken to need, d ** -sparsity_cost times dense's (a prior from steps-to-target runs: the
    compressor never sees the loss). It takes **the largest density whose communication beyond compute fits the
-   budget** (exposed <= budget x step), dense when dense fits, else the densest within the budget of the soonest
-   to the target; a denser one predicted sooner to the target instead; never one predicted later than dense;
+   budget** (exposed <= budget x step), dense when dense fits, or the soonest to the target of the denser ones
+   when they are sooner; if none fits, the densest within 5% of the soonest; never one predicted later than dense;
 4. decides again every ``auto_every`` steps (and soon after every change, to check the prediction against the
    measured step), changing its mind only with hysteresis.
 
