@@ -17,7 +17,9 @@ step by step so that the machine's noise hits them alike:
 ``dense`` (DDP's allreduce), ``topk`` (TopKEFState at --ratio: on a GPU the bucket's allgather members selected by one
 run of the grouped kernels, torch.bucket_select), ``topk-alone`` (the same, each member selected on its own; on the
 CPU the same as ``topk``: the fused kernel runs per member there), ``topk-graphs`` (``topk`` with each bucket's
-selection recorded once as a CUDA graph and replayed: HOROVOD_TOPK_CUDA_GRAPHS=1, torch.group_graphs; GPU only).
+selection recorded once as a CUDA graph and replayed: HOROVOD_TOPK_CUDA_GRAPHS=1, torch.group_graphs; GPU only),
+``topk-bucket-graphs`` (a steady bucket's whole step, its NCCL collectives included, one graph replayed on a side
+stream: HOROVOD_TOPK_CUDA_GRAPHS=bucket, torch.bucket_graph; GPU only).
 On request ``auto`` (ratio="auto": with one worker nothing travels, so it stays dense after its first decision at
 step 12; what its clock, probes and dense path add to DDP's step). One elementwise pass (``r.add_(g)`` over every
 gradient) is timed in the same steps, as the unit the CPU numbers are given in.
@@ -45,7 +47,7 @@ from bench_compress import MODELS  # noqa: E402  (the same real layer shapes)
 from horovod_topk.torch import bucket_select, group_graphs  # noqa: E402
 from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook  # noqa: E402
 
-METHODS = ["dense", "topk", "topk-alone", "topk-graphs"]
+METHODS = ["dense", "topk", "topk-alone", "topk-graphs", "topk-bucket-graphs"]
 
 
 class Shapes(torch.nn.Module):
@@ -139,9 +141,10 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
     runs: Dict[str, Callable[[], None]] = {"elementwise": elementwise}
     for method, ddp in models.items():
         def step(ddp: DDP = ddp, alone: bool = method == "topk-alone", batch: tuple = inputs[method][0],
-                 loss_of: Callable = inputs[method][1], graphs: bool = method == "topk-graphs") -> None:
+                 loss_of: Callable = inputs[method][1],
+                 graphs: str = {"topk-graphs": "1", "topk-bucket-graphs": "bucket"}.get(method, "0")) -> None:
             bucket_select.groupable = (lambda *args: False) if alone else groupable
-            os.environ[group_graphs.ENV] = "1" if graphs else "0"
+            os.environ[group_graphs.ENV] = graphs
             try:
                 ddp.zero_grad(set_to_none=False)
                 loss_of(ddp(*batch)).backward()
@@ -165,15 +168,24 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
     if "topk-graphs" in states:  # the graphs did replay (recording failed nowhere)
         result["replays"] = states["topk-graphs"]._group_selection().replays()
         result["finish_replays"] = states["topk-graphs"]._group_selection().finish_replays()
+    if "topk-bucket-graphs" in states:
+        result["whole_replays"] = whole_replays(states["topk-bucket-graphs"])
     for method, per_step in hook_per_step.items():  # the host's time inside the hook (planning, selection, launches)
         result[f"hook:{method}"] = statistics.median(per_step)
-    profiled = [m for m in ("topk-graphs", "topk") if m in states]
+    profiled = [m for m in ("topk-bucket-graphs", "topk-graphs", "topk") if m in states]
     if profile and profiled:
         host_profile(runs[profiled[0]], profiled[0], device, profile)
     if device.type == "cuda":
         for method in methods:
             result[f"syncs:{method}"] = host_syncs(runs[method], device)
     return result
+
+
+def whole_replays(state: TopKEFState) -> int:
+    """How many whole bucket steps the state's current steady buckets replayed as CUDA graphs (torch.bucket_graph)."""
+    slots = [entry[5] for entry in state._layouts.values()]
+    wholes = [slot["steady"].whole for slot in slots if slot.get("steady") is not None]
+    return sum(w.graphs.replays for w in wholes if w is not None)
 
 
 def timed_hook(calls: List[float]) -> Callable:
@@ -280,7 +292,8 @@ def main() -> None:
                              "a GPT-2-small-sized decoder on this many 256-token sequences) instead of the shapes "
                              "alone: forward and backward in every step, so backward's compute can hide the work")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="after the timing, profile the hook's host work in this many steps of topk-graphs, else topk "
+                        help="after the timing, profile the hook's host work in this many steps of topk-bucket-graphs, "
+                             "else topk-graphs, else topk "
                              "(cProfile)")
     parser.add_argument("--host-only", action="store_true",
                         help="CPU: run the GPU path's Python (grouped selection, DDP glue) with its kernels replaced "
@@ -296,8 +309,8 @@ def main() -> None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     methods = args.methods or (METHODS if device.type == "cuda" else ["dense", "topk"])
-    if "topk-graphs" in methods and device.type != "cuda":
-        parser.error("topk-graphs records CUDA graphs: it needs --device cuda")
+    if {"topk-graphs", "topk-bucket-graphs"} & set(methods) and device.type != "cuda":
+        parser.error("topk-graphs and topk-bucket-graphs record CUDA graphs: they need --device cuda")
     torch.set_num_threads(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -324,6 +337,8 @@ def main() -> None:
             if "replays" in r:
                 print(f"# {name}: topk-graphs replayed {r['replays']} bucket selections and {r['finish_replays']} "
                       f"addings back as CUDA graphs")
+            if "whole_replays" in r:
+                print(f"# {name}: topk-bucket-graphs replayed {r['whole_replays']} whole bucket steps as CUDA graphs")
             if device.type == "cuda":
                 print(f"# {name}: host synchronisations in one step (sync debug mode): "
                       + ", ".join(f"{m} {r['syncs:' + m]}" for m in methods))

@@ -13,9 +13,11 @@ name in the registry (checkpoints, another bucket layout in the next job): each 
 one flat buffer per group, so the kernels update them in place; a residual that is not (first step, after a load,
 after a move between devices, buckets rebuilt) is copied into its place once and replaced by the view.
 
-Where grouping applies (:func:`groupable`): two or more members whose backend is the Triton one, float32 gradients
+Where grouping applies (:func:`groupable`): members (one is enough) whose backend is the Triton one, float32 gradients
 and residuals, one wire dtype, the plain payload layout, no DGC momentum. Anything else (the CPU's fused kernel
-included: there the time is in the passes over memory, not in launches) is selected member by member.
+included: there the time is in the passes over memory, not in launches) is selected member by member. One member
+is a group too: a large embedding or classifier alone in its DDP bucket gains no launches from it, but a group's
+steps can be kept and replayed (torch.steady_bucket, torch.bucket_graph), which member-by-member steps cannot.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..core import PayloadLayout
 from . import group_graphs, selection
 from .selection import compress_tensor, decompress_tensor
 
-__all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", "groupable"]
+__all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", "add_back", "groupable", "select"]
 
 #: Work on the same step's tensors that runs with a selection or an adding back, and is recorded with it under CUDA
 #: graphs: (a key naming every address it reads and writes beyond the group's own, the work). A DDP bucket's dense
@@ -56,7 +58,7 @@ class GroupMember:
 
 def groupable(members: Sequence[GroupMember], backends: Sequence[Any], momentum: Sequence[Any]) -> bool:
     """Whether ``members`` (with their backends and momentum buffers) can be selected as one group."""
-    if len(members) < 2:
+    if not members:
         return False
     triton = selection.triton_backend()
     if triton is None or any(b is not triton for b in backends) or any(m is not None for m in momentum):
@@ -78,6 +80,28 @@ def _span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
             return None
         at += t.numel()
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (at - first.storage_offset(),))
+
+
+def select(kernels: Any, grads: torch.Tensor, residuals: torch.Tensor, layout: Any, wire_dtype: torch.dtype,
+           counts: torch.Tensor) -> torch.Tensor:
+    """A group's selection, device work only (what a CUDA graph may record): compensate ``grads`` (the members
+    back to back) with ``residuals``, select each member's k into one payload, keep the rest as the new residuals,
+    and add each member's non-finite flag to its element of ``counts`` (one launch per group). Returns the
+    payload."""
+    payload, nonfinite = kernels.compensate_and_select(grads, residuals, layout, wire_dtype)
+    counts.add_(nonfinite)
+    return payload
+
+
+def add_back(kernels: Any, rows: torch.Tensor, layout: Any, wire_dtype: torch.dtype, scale: float,
+             span: Optional[torch.Tensor], flats: Sequence[torch.Tensor]) -> None:
+    """A group's adding back, device work only: every member's sum of the P ``rows`` (gathered payloads) times
+    ``scale``, written straight over ``span`` where the members lie back to back, else through one buffer and
+    one batched copy into ``flats`` (a multi-tensor kernel on CUDA, not a launch per member)."""
+    out = span if span is not None else torch.empty(layout.numel, dtype=torch.float32, device=rows.device)
+    kernels.accumulate(list(rows), layout, wire_dtype, scale, out)
+    if span is None:
+        torch._foreach_copy_(list(flats), list(out.split(list(layout.numels))))
 
 
 class SelectedGroup:
@@ -116,11 +140,8 @@ class SelectedGroup:
         all of it replayed as one CUDA graph, recorded per (rows, gradients, scale, beside's key) -- at 64 ranks
         one launch where there were 64 and more."""
         def work() -> Tuple[torch.Tensor, ...]:
-            out = self.span if self.span is not None else torch.empty(self.group.numel, dtype=torch.float32,
-                                                                      device=rows.device)
-            kernels.accumulate(list(rows), self.group, self.members[0].wire_dtype, scale, out)
-            if self.span is None:  # one batched copy (a multi-tensor kernel on CUDA), not a launch per member
-                torch._foreach_copy_([m.flat for m in self.members], list(out.split(list(self.group.numels))))
+            add_back(kernels, rows, self.group, self.members[0].wire_dtype, scale, self.span,
+                     [m.flat for m in self.members])
             if beside is not None:
                 beside[1]()
             return ()
@@ -210,8 +231,7 @@ class GroupSelection:
 
         def work() -> Tuple[torch.Tensor, ...]:
             grads = span if span is not None else torch.cat([m.flat for m in members])
-            payload, nonfinite = kernels.compensate_and_select(grads, residuals, group, members[0].wire_dtype)
-            found.counts.add_(nonfinite)  # every member's record reads its own element: one launch per bucket
+            payload = select(kernels, grads, residuals, group, members[0].wire_dtype, found.counts)
             return (payload,) if beside is None or not graphed else (payload, beside[1]())
 
         graphed = group_graphs.enabled(device)
@@ -393,6 +413,29 @@ class SteadySelection:
         if not state._group_selection().holds(self._key, self._found):
             return False
         return all(record.residual is residual for _, record, _, residual, _, _ in self._members)
+
+    def select_on_device(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This step's selection over ``buffer``, device work only (:func:`select`: what a graph of the bucket's
+        whole step records); the payload. The host's side -- counters, times -- is the caller's."""
+        group = self._found
+        return select(selection.triton_backend().kernels, self._grads(buffer), group.residuals, group.layout,
+                      self._members[0][5], group.counts)
+
+    def add_back_on_device(self, rows: torch.Tensor, scale: float, buffer: torch.Tensor) -> None:
+        """The adding back of ``rows`` (P gathered payloads) over the members' places in ``buffer``, device work
+        only (:func:`add_back`)."""
+        span = buffer[self._span[0]:self._span[1]] if self._span is not None else None
+        add_back(selection.triton_backend().kernels, rows, self._found.layout, self._members[0][5], scale, span,
+                 [buffer[a:b] for _, _, (a, b), _, _, _ in self._members])
+
+    def count_time(self, state: Any, seconds: float) -> None:
+        """The selection's host time shared among its members' records (and the auto density's clock)."""
+        state._selected_group(self.records, self._found.layout.numels, seconds)
+
+    def _grads(self, buffer: torch.Tensor) -> torch.Tensor:
+        if self._span is not None:
+            return buffer[self._span[0]:self._span[1]]
+        return torch.cat([buffer[a:b] for _, _, (a, b), _, _, _ in self._members])
 
     def run(self, state: Any, buffer: torch.Tensor, beside: Optional[Beside] = None) -> BucketSelection:
         """The selection over this step's ``buffer``, with ``beside``'s work (its result: :attr:`beside`)."""

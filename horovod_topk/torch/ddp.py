@@ -42,6 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..core import CompressorState, RankMismatch, mismatch_message
 from ..core import checkpoint as core_checkpoint
 from ..core.bucket_plan import BucketPlan, bucket_fingerprint, plan_bucket
+from . import bucket_graph
 from .bucket_step import BucketStep
 from .checkpoint import TorchTensors
 from .ddp_auto import StepClock
@@ -252,7 +253,14 @@ def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any) -> torch.fu
         state._verified.add(plan.name)
     record = state.registry.records.get(plan.members[0].name)
     state._report_if_due(record.steps if record is not None else 0, dist.get_rank(group))
-    return launch(state, BucketStep(state, plan, buffer, shapes, world_size, state.bucket_slot(bucket)), group)
+    slot = state.bucket_slot(bucket)
+    whole = bucket_graph.run(state, plan, buffer, world_size, slot, group)  # a steady bucket as one CUDA graph
+    if whole is not None:
+        state.buckets_reduced += 1
+        state.buckets_compressed += 1
+        state.buckets_grouped += 1
+        return whole
+    return launch(state, BucketStep(state, plan, buffer, shapes, world_size, slot), group)
 
 
 def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Future[torch.Tensor]:

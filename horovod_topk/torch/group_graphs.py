@@ -27,17 +27,32 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
-__all__ = ["ENV", "GroupGraphs", "enabled"]
+__all__ = ["ENV", "GroupGraphs", "enabled", "whole_buckets"]
 
-#: The switch: "1" records each bucket's grouped selection as a CUDA graph.
+#: The switch: "1" records each bucket's grouped selection and its adding back as CUDA graphs; "bucket" also records
+#: a steady bucket's whole step, its collectives included, as one graph (torch.bucket_graph); "0" or unset: none.
 ENV = "HOROVOD_TOPK_CUDA_GRAPHS"
+_MODES = ("", "0", "1", "bucket")
 
 Outputs = Tuple[torch.Tensor, ...]
 
 
+def _mode() -> str:
+    value = os.environ.get(ENV, "").strip()
+    if value not in _MODES:
+        raise ValueError(f"horovod-topk: {ENV}={value!r} is not a mode; use 1 (the selection and adding back as CUDA "
+                         f"graphs), bucket (a steady bucket's whole step, collectives included) or 0 (none)")
+    return value
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether graphs are asked for, and possible on ``device``."""
-    return device.type == "cuda" and os.environ.get(ENV, "").strip() == "1"
+    """Whether graphs of the selection and adding back are asked for, and possible on ``device``."""
+    return device.type == "cuda" and _mode() in ("1", "bucket")
+
+
+def whole_buckets(device: torch.device) -> bool:
+    """Whether a steady bucket's whole step is to be one graph (torch.bucket_graph), and possible on ``device``."""
+    return device.type == "cuda" and _mode() == "bucket"
 
 
 class GroupGraphs:

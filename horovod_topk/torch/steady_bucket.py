@@ -43,6 +43,9 @@ class SteadyBucket:
         self._dense_key = ("dense", tuple(self.dense_ranges), world_size)
         self.selection = selection.steady_part(plan)
         self.sent = [m.layout.nbytes for m in selection.members]
+        #: This bucket's whole step as one CUDA graph (torch.bucket_graph), once asked for: it lives and dies with
+        #: this object, which is used only while everything the graph reads is what it was recorded over.
+        self.whole: Optional[Any] = None
 
     @staticmethod
     def applies(state: Any, plan: BucketPlan, sparse: bool, selection: Any) -> bool:
@@ -65,6 +68,20 @@ class SteadyBucket:
         """The step's bookkeeping and selection; returns the bucket's BucketSelection, whose ``beside`` holds the
         dense members' gradients divided by the world size, gathered for their allreduce (or None if none): work on
         the same buffer, so recorded with the selection where that is a CUDA graph."""
+        self.count(state, buffer)
+        beside = None
+        if self.dense_ranges:
+            beside = ((*self._dense_key, buffer.data_ptr()), lambda: self.gather_dense(buffer))
+        return self.selection.run(state, buffer, beside)
+
+    @property
+    def leftovers_due(self) -> bool:
+        """Whether a dense member holds a residual whose leftovers go out with this step's gradient (a member
+        compressed before: on a GPU its residual stays, see TorchResiduals._send_leftovers)."""
+        return any(record.residual is not None for record, _, _ in self.dense)
+
+    def count(self, state: Any, buffer: torch.Tensor) -> None:
+        """The step's host bookkeeping: every member's counters and bytes, the dense members' leftovers."""
         for record, nbytes in zip(self.records, self.member_nbytes):
             record.steps += 1
             record.bytes_dense += nbytes
@@ -74,16 +91,19 @@ class SteadyBucket:
                 state._send_leftovers(record, buffer[a:b])
         for record, nbytes in zip(self.selection.records, self.sent):
             record.bytes_sent += nbytes
-        beside = None
-        if self.dense_ranges:
-            world_size = self.world_size
-            beside = ((*self._dense_key, buffer.data_ptr()),
-                      lambda: torch.cat(self.dense_views(buffer)).div_(world_size))
-        return self.selection.run(state, buffer, beside)
 
     def dense_views(self, buffer: torch.Tensor) -> list:
         """The dense members' slices of ``buffer``, in plan order."""
         return [buffer[a:b] for a, b in self.dense_ranges]
+
+    def gather_dense(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The dense members' gradients back to back, divided by the world size: ready for a sum-allreduce."""
+        return torch.cat(self.dense_views(buffer)).div_(self.world_size)
+
+    def scatter_dense(self, buffer: torch.Tensor, dense_sum: torch.Tensor) -> None:
+        """The dense members' averages (``dense_sum``, as :meth:`gather_dense` laid them out) written back over
+        their places in ``buffer``: one batched copy."""
+        torch._foreach_copy_(self.dense_views(buffer), list(dense_sum.split([b - a for a, b in self.dense_ranges])))
 
 
 def kept(slot: Optional[dict], state: Any, plan: BucketPlan, buffer: torch.Tensor,

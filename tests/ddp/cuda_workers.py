@@ -97,3 +97,38 @@ def cuda_auto(rank: int, world_size: int, target: str, steps: int) -> Dict[str, 
                     "counted": state.auto.wait_counts(), "decisions": state.auto.decisions})
     return {"log": log, "reads": reads, "auto": state.auto.stats(), "samples": list(state.auto._samples),
             "params": flat_params(model).cpu()}
+
+
+def cuda_whole_bucket_graphs(rank: int, world_size: int, steps: int, load_at: int) -> Dict[str, Any]:
+    """The same Adam training on cuda:``rank`` twice: each steady bucket's whole step replayed as one CUDA graph
+    (HOROVOD_TOPK_CUDA_GRAPHS=bucket, torch.bucket_graph), then the usual path (graphs off); a checkpoint loaded into
+    the same state at step ``load_at``. Parameters, residuals, counters, whole steps replayed, and the host waits
+    of the last step."""
+    import os
+
+    from horovod_topk.torch import group_graphs
+
+    torch.cuda.set_device(rank)
+    results = {}
+    for mode in ("bucket", "0"):
+        os.environ[group_graphs.ENV] = mode
+        model = make_model().to("cuda")
+        state = TopKEFState(ratio=0.05, min_numel=64, named_parameters=model.named_parameters())
+        ddp = DDP(model, bucket_cap_mb=0.3)
+        ddp.register_comm_hook(state, topk_ef_hook)
+        opt = torch.optim.Adam(model.parameters(), 1e-2)
+        for step in range(steps):
+            if step == load_at:
+                state.load_state_dict(state.state_dict())
+            x, y = (t.to("cuda") for t in batch(rank, step))
+            syncs = _step(ddp, opt, x, y, count_waits=step == steps - 1)
+        torch.cuda.synchronize()
+        wholes = [entry[5]["steady"].whole for entry in state._layouts.values() if entry[5].get("steady") is not None]
+        results[mode] = {
+            "params": flat_params(model).cpu(), "syncs": syncs,
+            "residuals": {n: r.residual.detach().cpu().clone() for n, r in state.registry if r.residual is not None},
+            "counters": {n: (r.steps, r.bytes_sent, r.bytes_dense, int(r.nonfinite_steps)) for n, r in state.registry},
+            "replays": sum(w.graphs.replays for w in wholes if w is not None),
+            "buckets": state.stats()["buckets"]}
+    os.environ.pop(group_graphs.ENV, None)
+    return {"whole": results["bucket"], "usual": results["0"]}

@@ -71,3 +71,18 @@ def test_gpu_ratio_auto_times_the_device_and_waits_only_where_it_measures(target
             and e["decisions"] == before["decisions"]]
     if target == "gradient":
         assert free and all(e["syncs"] == 0 for e in free), log
+
+
+def test_whole_bucket_graphs_train_exactly_as_the_usual_path():
+    """HOROVOD_TOPK_CUDA_GRAPHS=bucket: each steady bucket's selection, NCCL collectives and adding back replayed
+    as one CUDA graph on a side stream (torch.bucket_graph): parameters, residuals and counters are the usual
+    path's bit for bit, through rebuilt buckets and a load, and a replayed step never makes the host wait."""
+    (result,) = harness.run(cuda_workers.cuda_whole_bucket_graphs, 1, 10, 5, backend="nccl")
+    whole, usual = result["whole"], result["usual"]
+    print(f"whole bucket graphs: {whole['replays']} replays, host syncs in the last step {whole['syncs']}")
+    assert whole["replays"] > 0
+    assert torch.equal(whole["params"], usual["params"])
+    assert whole["counters"] == usual["counters"] and whole["residuals"].keys() == usual["residuals"].keys()
+    assert all(torch.equal(whole["residuals"][n], usual["residuals"][n]) for n in whole["residuals"])
+    assert whole["buckets"] == usual["buckets"]
+    assert whole["syncs"] == 0

@@ -172,6 +172,74 @@ def grouped_against_alone(rank: int, world_size: int, bucket_cap_mb: float) -> D
     return {"grouped": results[0], "alone": results[1]}
 
 
+class _RerunAsReplay:
+    """A stand-in for a CUDA graph on the CPU (where nothing can be captured): recording runs the work once (a
+    capture runs nothing, the replay right after it does: that replay is skipped), a replay runs the recorded work
+    again -- its collectives included, as a graph's replay issues them -- over the tensors it was recorded with."""
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.recorded = work, True
+
+    def replay(self) -> None:
+        if self.recorded:
+            self.recorded = False
+            return
+        self.work()
+
+
+def _record_by_rerun(graphs: Any, key: Any, work: Any, device: Any) -> Any:
+    outputs = work()
+    graphs._graphs[key] = found = (_RerunAsReplay(work), outputs)
+    return found
+
+
+def whole_bucket_graphs(rank: int, world_size: int, bucket_cap_mb: float, load_at: int) -> Dict[str, Any]:
+    """The same Adam training twice: each steady bucket's whole step replayed as one graph (torch.bucket_graph, with
+    graph recording stood in for by re-running the recorded work), then the usual path; a checkpoint loaded into
+    the same state at step ``load_at`` (the records replaced: full steps, then new graphs). Parameters, the
+    records' counters and residuals, and how many whole steps replayed."""
+    from horovod_topk.torch import bucket_graph, group_graphs
+
+    possible, record = bucket_graph.possible, group_graphs.GroupGraphs._record
+    results = []
+    try:
+        for whole in (True, False):
+            bucket_graph.possible = (lambda device, group: True) if whole else (lambda device, group: False)
+            group_graphs.GroupGraphs._record = _record_by_rerun if whole else record
+            model = make_model()
+            state = TopKEFState(ratio=0.05, min_numel=64, named_parameters=model.named_parameters())
+            ddp = ddp_of(model, state, bucket_cap_mb=bucket_cap_mb)
+            opt = torch.optim.Adam(model.parameters(), 1e-2)
+            graphs: List[Any] = []
+            original_step = bucket_graph.BucketGraph.step
+
+            def step_and_keep(self, *args, _graphs=graphs, _original=original_step):
+                if self not in _graphs:
+                    _graphs.append(self)
+                return _original(self, *args)
+
+            bucket_graph.BucketGraph.step = step_and_keep
+            try:
+                for step in range(9):
+                    if step == load_at:
+                        state.load_state_dict(state.state_dict())
+                    train_step(ddp, opt, rank, step)
+            finally:
+                bucket_graph.BucketGraph.step = original_step
+            params = flat_params(model)
+            records = state.registry.records
+            results.append({
+                "params": params, "same": all_equal_across_ranks(params),
+                "counters": {n: (r.steps, r.bytes_sent, r.bytes_dense, int(r.nonfinite_steps))
+                             for n, r in records.items()},
+                "residuals": {n: r.residual.clone() for n, r in records.items() if r.residual is not None},
+                "graphs": len(graphs), "replays": sum(g.graphs.replays for g in graphs),
+                "buckets": state.stats()["buckets"]})
+    finally:
+        bucket_graph.possible, group_graphs.GroupGraphs._record = possible, record
+    return {"whole": results[0], "usual": results[1]}
+
+
 def resume(rank: int, world_size: int, named: bool) -> Dict[str, Any]:
     """6 steps straight, against 3 steps, a checkpoint (model, optimizer, TopKEFState per rank), fresh objects that
     load it, and 3 more steps."""
