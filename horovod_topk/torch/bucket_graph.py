@@ -26,9 +26,8 @@ their plans), but the path has run with one process only.
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,16 +38,23 @@ from . import group_graphs
 from .dist_collectives import all_gather_single
 from .steady_bucket import SteadyBucket, kept
 
-__all__ = ["BucketGraph", "possible", "run"]
+__all__ = ["BucketGraph", "asked", "possible", "run"]
 
-#: One side stream per device, where the buckets' graphs replay (in bucket order, as NCCL's own stream runs them).
-_STREAMS: Dict[torch.device, Any] = {}
+#: Per device: the side stream where the buckets' graphs replay (in bucket order, as NCCL's own stream runs
+#: collectives), the event it waits on, the device's index.
+_STREAMS: Dict[torch.device, Tuple[Any, Any, int]] = {}
 
 
-def possible(device: torch.device, group: Any) -> bool:
-    """Whether a bucket's whole step may be one graph: asked for (group_graphs.whole_buckets) on a CUDA device
-    whose collectives are NCCL's (Gloo's cannot be captured)."""
-    return group_graphs.whole_buckets(device) and dist.get_backend(group) == "nccl"
+def asked(device: torch.device) -> bool:
+    """Whether whole buckets as graphs are asked for, on a CUDA device (group_graphs.whole_buckets): read per
+    bucket, so it comes first and is cheap."""
+    return group_graphs.whole_buckets(device)
+
+
+def possible(group: Any) -> bool:
+    """Whether ``group``'s collectives can be recorded in a CUDA graph: NCCL's can, Gloo's cannot. Read once per
+    steady bucket."""
+    return dist.get_backend(group) == "nccl"
 
 
 class BucketGraph:
@@ -57,6 +63,8 @@ class BucketGraph:
 
     def __init__(self, group: Any, world_size: int) -> None:
         self.group = group
+        #: Whether the group's collectives can be recorded (NCCL); if not, the bucket takes the usual path.
+        self.possible = possible(group)
         self.world_size = world_size
         self.scale = reduction_scale("average", 1.0, 1.0, world_size)
         self.graphs = group_graphs.GroupGraphs()
@@ -91,7 +99,7 @@ def run(state: Any, plan: BucketPlan, buffer: torch.Tensor, world_size: int, slo
     """The bucket's whole step as a graph, if it is steady and graphs of whole buckets are possible: the Future of
     its averaged gradients (written over ``buffer``), complete once the side stream's work is; else None, and the
     caller takes the usual path."""
-    if slot is None or not possible(buffer.device, group):
+    if slot is None or not asked(buffer.device):
         return None
     steady = kept(slot, state, plan, buffer, world_size)
     if steady is None or steady.leftovers_due:
@@ -99,24 +107,34 @@ def run(state: Any, plan: BucketPlan, buffer: torch.Tensor, world_size: int, slo
     graph = steady.whole
     if graph is None or graph.group is not group:
         graph = steady.whole = BucketGraph(group, world_size)
+    if not graph.possible:
+        return None
     device = buffer.device
-    future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
-    with _side_stream(device):
+    if device.type != "cuda":  # (a test's stand-in for the recording, on the CPU)
         graph.step(state, steady, buffer)
-        future.set_result(buffer)  # on CUDA: records the side stream's event, which DDP's wait joins
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+    side, joined, index = _side(device)
+    current = torch.cuda.current_stream(index)
+    joined.record(current)  # the side stream waits for the bucket to be filled, the host does not
+    side.wait_event(joined)
+    future = torch.futures.Future(devices=[device])
+    torch.cuda.set_stream(side)
+    try:
+        graph.step(state, steady, buffer)
+        future.set_result(buffer)  # records the side stream's event, which DDP's wait joins
+    finally:
+        torch.cuda.set_stream(current)
     return future
 
 
-@contextlib.contextmanager
-def _side_stream(device: torch.device) -> Iterator[None]:
-    """The buckets' side stream of ``device`` (made once), waiting for the current stream's work; on a CPU,
-    nothing."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
+def _side(device: torch.device) -> Tuple[Any, Any, int]:
+    """The buckets' side stream of ``device``, the event it waits on (reused: a wait takes the event's state at
+    the time it is queued) and the device's index; made once. Plain stream switches rather than
+    ``torch.cuda.stream()``: this runs for every bucket, and the context manager's device bookkeeping cost more
+    host time than the replay itself."""
+    found = _STREAMS.get(device)
+    if found is None:
+        found = _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Event(), device.index)
+    return found

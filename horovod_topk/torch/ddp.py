@@ -109,6 +109,16 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         self.buckets_grouped = 0
         #: With ratio="auto": where each step begins and what it waited for (torch.ddp_auto).
         self._clock = StepClock() if config.auto else None
+        #: (group, its size, this rank in it) as last asked of torch.distributed: a group's size and ranks never
+        #: change, and asking costs host time in every bucket.
+        self._group_shape: Optional[Tuple[Any, int, int]] = None
+
+    def group_shape(self, group: Any) -> Tuple[int, int]:
+        """``group``'s world size and this process's rank in it."""
+        known = self.__dict__.get("_group_shape")
+        if known is None or known[0] is not group:
+            known = self._group_shape = (group, dist.get_world_size(group), dist.get_rank(group))
+        return known[1], known[2]
 
     # ---- parameters and plans ------------------------------------------------------------------------------
     def name_of(self, parameter: torch.Tensor) -> str:
@@ -202,6 +212,7 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         state["_given"] = None
         state["_verified"] = set()
         state["_layouts"] = {}
+        state["_group_shape"] = None
         # the grouped selection's buffers: the records' residuals are views of them, a sharing plain pickle does not
         # keep; without it the first step copies every residual into a new buffer again (torch.bucket_select)
         state.pop("_grouped_selection", None)
@@ -244,7 +255,7 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
 
 def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any) -> torch.futures.Future[torch.Tensor]:
     """The bucket's plan executed: its collectives launched, the Future of its averaged gradients returned."""
-    world_size = dist.get_world_size(group)
+    world_size, rank = state.group_shape(group)
     buffer = bucket.buffer()
     members, shapes = state.bucket_members(bucket)
     plan = state.plan(members, buffer, world_size)
@@ -252,7 +263,7 @@ def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any) -> torch.fu
         _check_agreement(state, plan, buffer, group, world_size)
         state._verified.add(plan.name)
     record = state.registry.records.get(plan.members[0].name)
-    state._report_if_due(record.steps if record is not None else 0, dist.get_rank(group))
+    state._report_if_due(record.steps if record is not None else 0, rank)
     slot = state.bucket_slot(bucket)
     whole = bucket_graph.run(state, plan, buffer, world_size, slot, group)  # a steady bucket as one CUDA graph
     if whole is not None:

@@ -200,11 +200,12 @@ def whole_bucket_graphs(rank: int, world_size: int, bucket_cap_mb: float, load_a
     records' counters and residuals, and how many whole steps replayed."""
     from horovod_topk.torch import bucket_graph, group_graphs
 
-    possible, record = bucket_graph.possible, group_graphs.GroupGraphs._record
+    asked, possible, record = bucket_graph.asked, bucket_graph.possible, group_graphs.GroupGraphs._record
     results = []
     try:
         for whole in (True, False):
-            bucket_graph.possible = (lambda device, group: True) if whole else (lambda device, group: False)
+            bucket_graph.asked = lambda device, _whole=whole: _whole
+            bucket_graph.possible = lambda group: True  # Gloo's collectives, re-run by the stand-in
             group_graphs.GroupGraphs._record = _record_by_rerun if whole else record
             model = make_model()
             state = TopKEFState(ratio=0.05, min_numel=64, named_parameters=model.named_parameters())
@@ -236,7 +237,7 @@ def whole_bucket_graphs(rank: int, world_size: int, bucket_cap_mb: float, load_a
                 "graphs": len(graphs), "replays": sum(g.graphs.replays for g in graphs),
                 "buckets": state.stats()["buckets"]})
     finally:
-        bucket_graph.possible, group_graphs.GroupGraphs._record = possible, record
+        bucket_graph.asked, bucket_graph.possible, group_graphs.GroupGraphs._record = asked, possible, record
     return {"whole": results[0], "usual": results[1]}
 
 
