@@ -47,10 +47,12 @@ EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.0
 #: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
 #: in the method's name; the other methods' steps do not depend on the link and run on localhost. "auto" in gradient
 #: mode, "auto-update" in update mode (what target="auto" picks for Adam/AdamW: the product's default path there).
-#: "dense@<rate>" and "fp16@<rate>": the baselines on the same bed, so that their training time is measured in the
-#: run the same way as auto's (time_to_target.py --bed-methods), not multiplied from another job's step time.
+#: "dense@<rate>", "fp16@<rate>" and the fixed ratios' "topk<ratio>@<rate>": the baselines on the same bed, so that
+#: their training time is measured in the run the same way as auto's (time_to_target.py --bed-methods), not
+#: multiplied from another job's step time.
 BED_RATES = ("100mbit", "1gbit", "10gbit")
-AUTO_METHODS = [f"{method}@{rate}" for method in ("auto", "auto-update", "dense", "fp16") for rate in BED_RATES]
+AUTO_METHODS = [f"{method}@{rate}" for method in ("auto", "auto-update", "dense", "fp16", "topk0.01", "topk0.03",
+                                                  "topk0.1") for rate in BED_RATES]
 
 
 def testbed_rate(method: str) -> Optional[str]:
@@ -136,10 +138,12 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
                                    named_parameters=model.named_parameters(),
                                    compression=compression_for(method, warmup_steps=3 * steps))
     gen = torch.Generator().manual_seed(seed * 100 + hvd.rank())
-    curve, metric = [], []
+    curve, metric, seconds = [], [], []
+    training = 0.0  # wall time of the steps alone (the epoch's loss allreduce and the test pass excluded)
     for _ in range(epochs):
         order = torch.randperm(len(x_train), generator=gen)
         total = 0.0
+        started = time.perf_counter()
         for s in range(steps):
             idx = order[s * batch:(s + 1) * batch]
             opt.zero_grad()
@@ -147,11 +151,15 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
             loss.backward()
             opt.step()
             total += loss.item()
+        training += time.perf_counter() - started
+        seconds.append(training)
         curve.append(hvd.allreduce(torch.tensor(total / steps), name="loss").item())
         with torch.no_grad():
             metric.append((model(x_test).argmax(1) == y_test).float().mean().item())
+    # evals / train_seconds: the step count and training time at the end of each epoch, as the language models
+    # record them at each evaluation (time_to_target.py times a bed run's steps to the target from them)
     return {"metric": "test accuracy", "final": metric[-1], "curve": curve, "metric_curve": metric,
-            "steps_per_epoch": steps}
+            "steps_per_epoch": steps, "evals": [steps * (e + 1) for e in range(epochs)], "train_seconds": seconds}
 
 
 #: Language-model budgets in steps: "short" (the study's original 400-step charlm budget) and "converged" (dense's

@@ -1,5 +1,6 @@
 """A bucket's grouped selection, and its adding back, each replayed as one CUDA graph (opt-in:
-``HOROVOD_TOPK_CUDA_GRAPHS=1``).
+``HOROVOD_TOPK_CUDA_GRAPHS=1``; ``=bucket`` also records a steady DDP bucket's whole step, its collectives included,
+with the same recorder: torch.bucket_graph).
 
 Why: on a GPU the grouped selection's time is the host's, not the device's. One bucket is ~12 Triton launches and
 ~10 small torch operations, each tens of microseconds of Python and driver work, while the kernels themselves take
