@@ -22,11 +22,15 @@ buckets, a dense member still sending leftovers) takes the usual path.
 What it gives up, and why it is opt-in: a collective inside a graph is not watched by ProcessGroupNCCL's watchdog,
 so a rank that never arrives is not turned into a timeout error; every rank must replay the same collectives in the
 same order, which they do since every rank makes the same steady buckets at the same steps (rank agreement checked
-their plans), but the path has run with one process only.
+their plans), but the path has run with one process only. Recorded and eagerly launched collectives share one NCCL
+communicator (NCCL's default; with ``NCCL_GRAPH_MIXING_SUPPORT=0`` every bucket takes the usual path, with a
+warning).
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -52,9 +56,23 @@ def asked(device: torch.device) -> bool:
 
 
 def possible(group: Any) -> bool:
-    """Whether ``group``'s collectives can be recorded in a CUDA graph: NCCL's can, Gloo's cannot. Read once per
-    steady bucket."""
-    return dist.get_backend(group) == "nccl"
+    """Whether ``group``'s collectives can be recorded in a CUDA graph: NCCL's can, Gloo's cannot; and NCCL must
+    allow recorded and eagerly launched collectives on one communicator (the buckets that are not steady, the
+    agreement check and ratio="auto"'s probes are launched eagerly), which ``NCCL_GRAPH_MIXING_SUPPORT=0`` forbids.
+    Read once per steady bucket."""
+    if dist.get_backend(group) != "nccl":
+        return False
+    if os.environ.get("NCCL_GRAPH_MIXING_SUPPORT", "").strip() == "0":
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn(f"horovod-topk: {group_graphs.ENV}=bucket needs NCCL to mix recorded and launched "
+                          f"collectives, which NCCL_GRAPH_MIXING_SUPPORT=0 forbids: buckets take the usual path",
+                          RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+_WARNED: list = []
 
 
 class BucketGraph:
@@ -68,18 +86,26 @@ class BucketGraph:
         self.world_size = world_size
         self.scale = reduction_scale("average", 1.0, 1.0, world_size)
         self.graphs = group_graphs.GroupGraphs()
+        self._ran = False  # whether this step ran the work (eagerly, or while recording it) rather than a replay
 
     def step(self, state: Any, steady: SteadyBucket, buffer: torch.Tensor) -> None:
-        """The bucket's step: host bookkeeping, then the device work (replayed, or run while it is recorded)."""
+        """The bucket's step: host bookkeeping, then the device work (replayed, or run while it is recorded).
+
+        The selection's host time (what ratio="auto" subtracts from a step as compression, TensorRecord's
+        compress_seconds) is a replay's launch, the whole bucket's; the two steps that run the work instead (eagerly,
+        then while recording it, which synchronises the device) count none: their time is not the selection's."""
         steady.count(state, buffer)
+        self._ran = False
         started = time.perf_counter()
         self.graphs.run(buffer.data_ptr(), lambda: self._work(steady, buffer), buffer.device)
-        steady.selection.count_time(state, time.perf_counter() - started)
+        if not self._ran:
+            steady.selection.count_time(state, time.perf_counter() - started)
 
     def _work(self, steady: SteadyBucket, buffer: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Device work only: select, gather every rank's payload and sum the dense members, add back. The same
         operations, in the same order, as the usual path's steady step (torch.bucket_step), so the results are
         the same bit for bit."""
+        self._ran = True
         payload = steady.selection.select_on_device(buffer)
         dense = steady.gather_dense(buffer) if steady.dense_ranges else None
         gathered = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=buffer.device)

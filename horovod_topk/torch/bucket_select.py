@@ -39,9 +39,11 @@ __all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", 
 #: members ride along this way: gathered and divided with the selection, copied back with the adding back.
 Beside = Tuple[Hashable, Callable[[], Optional[torch.Tensor]]]
 
-#: Group layouts kept per device path (each holds a few small device tables): a bucket's layout changes only while
-#: a sparsity warm-up moves its k's, so a handful covers every bucket of a model in steady state.
-_LAYOUTS_KEPT = 64
+#: A bound on the groups kept per device path, never reached in practice: a group is dropped when its members are
+#: regrouped (buckets rebuilt) or planned under other k's (a warm-up, ratio="auto"), so one is kept per bucket. The
+#: bound only keeps a pathological caller from growing the table without end; it is far above a 1B-parameter
+#: model's ~160 buckets of 25 MB, since a model with more buckets than it would lose every group every step.
+_LAYOUTS_KEPT = 4096
 
 
 @dataclass
@@ -180,12 +182,12 @@ class GroupSelection:
         names = set(key[0])
         for stale in [k for k in self._groups if k[:2] != key[:2] and names.intersection(k[0])]:
             del self._groups[stale]
-        # a buffer of the same members under other k's (a warm-up) is the same residuals: reuse it; their
-        # allgather destinations are another size and not wanted again
+        # a buffer of the same members under other k's (a warm-up, ratio="auto") is the same residuals: reuse it,
+        # and drop those groups (their layouts, allgather destinations and graphs are not wanted again; should the
+        # k's come back, the group is made again from the same residuals)
         buffer = next((g.residuals for k, g in self._groups.items() if k[:2] == key[:2] and k[3] == device), None)
-        for k, g in self._groups.items():
-            if k[:2] == key[:2]:
-                g._gathered = None
+        for stale in [k for k in self._groups if k[:2] == key[:2]]:
+            del self._groups[stale]
         if buffer is None:
             buffer = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         group = self._groups[key] = _Group(layout, buffer, torch.zeros(len(members), dtype=torch.int64,

@@ -101,17 +101,29 @@ def cuda_auto(rank: int, world_size: int, target: str, steps: int) -> Dict[str, 
 
 def cuda_whole_bucket_graphs(rank: int, world_size: int, steps: int, load_at: int) -> Dict[str, Any]:
     """The same Adam training on cuda:``rank`` twice: each steady bucket's whole step replayed as one CUDA graph
-    (HOROVOD_TOPK_CUDA_GRAPHS=bucket, torch.bucket_graph), then the usual path (graphs off); a checkpoint loaded into
-    the same state at step ``load_at``. Parameters, residuals, counters, whole steps replayed, and the host waits
+    (HOROVOD_TOPK_CUDA_GRAPHS=bucket, torch.bucket_graph) with its side stream held back before each bucket, then
+    the usual path (graphs off); a checkpoint loaded into the same state at step ``load_at``. Parameters, residuals, counters, whole steps replayed, and the host waits
     of the last step."""
     import os
 
     from horovod_topk.torch import group_graphs
 
+    from horovod_topk.torch import bucket_graph
+
     torch.cuda.set_device(rank)
     results = {}
+    original_step = bucket_graph.BucketGraph.step
+
+    def late_step(self, *args):
+        # the side stream is current here: ~20 ms of spinning before the bucket's work makes any read of its results
+        # that is not ordered after the side stream (DDP's copy into .grad, the next bucket, the optimizer) see stale
+        # values
+        torch.cuda._sleep(40_000_000)
+        return original_step(self, *args)
+
     for mode in ("bucket", "0"):
         os.environ[group_graphs.ENV] = mode
+        bucket_graph.BucketGraph.step = late_step if mode == "bucket" else original_step
         model = make_model().to("cuda")
         state = TopKEFState(ratio=0.05, min_numel=64, named_parameters=model.named_parameters())
         ddp = DDP(model, bucket_cap_mb=0.3)
@@ -131,4 +143,5 @@ def cuda_whole_bucket_graphs(rank: int, world_size: int, steps: int, load_at: in
             "replays": sum(w.graphs.replays for w in wholes if w is not None),
             "buckets": state.stats()["buckets"]}
     os.environ.pop(group_graphs.ENV, None)
+    bucket_graph.BucketGraph.step = original_step
     return {"whole": results["bucket"], "usual": results["0"]}

@@ -111,7 +111,8 @@ def test_grouped_kernels_train_exactly_as_member_by_member(monkeypatch):
     assert torch.equal(results[0]["grouped"]["params"], results[1]["grouped"]["params"])
 
 
-def test_whole_bucket_graphs_train_exactly_as_the_usual_path(monkeypatch):
+@pytest.mark.parametrize("ddp_options", [{}, {"gradient_as_bucket_view": True}], ids=["default", "bucket-view"])
+def test_whole_bucket_graphs_train_exactly_as_the_usual_path(ddp_options, monkeypatch):
     """HOROVOD_TOPK_CUDA_GRAPHS=bucket (torch.bucket_graph): a steady bucket's selection, collectives and adding
     back replayed as one recorded unit, its host bookkeeping outside it, on real workers. Without a GPU the
     recording is stood in for by re-running the recorded work (collectives included) over the tensors it was
@@ -119,7 +120,7 @@ def test_whole_bucket_graphs_train_exactly_as_the_usual_path(monkeypatch):
     Parameters, counters and residuals equal the usual path's bit for bit, through rebuilt buckets and a load."""
     monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    results = harness.run(workers.whole_bucket_graphs, 2, 0.3, 5)
+    results = harness.run(workers.whole_bucket_graphs, 2, 0.3, 5, ddp_options)
     for r in results:
         whole, usual = r["whole"], r["usual"]
         assert whole["same"] and usual["same"]

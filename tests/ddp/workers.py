@@ -193,7 +193,8 @@ def _record_by_rerun(graphs: Any, key: Any, work: Any, device: Any) -> Any:
     return found
 
 
-def whole_bucket_graphs(rank: int, world_size: int, bucket_cap_mb: float, load_at: int) -> Dict[str, Any]:
+def whole_bucket_graphs(rank: int, world_size: int, bucket_cap_mb: float, load_at: int,
+                        ddp_options: Dict[str, Any]) -> Dict[str, Any]:
     """The same Adam training twice: each steady bucket's whole step replayed as one graph (torch.bucket_graph, with
     graph recording stood in for by re-running the recorded work), then the usual path; a checkpoint loaded into
     the same state at step ``load_at`` (the records replaced: full steps, then new graphs). Parameters, the
@@ -209,7 +210,7 @@ def whole_bucket_graphs(rank: int, world_size: int, bucket_cap_mb: float, load_a
             group_graphs.GroupGraphs._record = _record_by_rerun if whole else record
             model = make_model()
             state = TopKEFState(ratio=0.05, min_numel=64, named_parameters=model.named_parameters())
-            ddp = ddp_of(model, state, bucket_cap_mb=bucket_cap_mb)
+            ddp = ddp_of(model, state, bucket_cap_mb=bucket_cap_mb, **ddp_options)
             opt = torch.optim.Adam(model.parameters(), 1e-2)
             graphs: List[Any] = []
             original_step = bucket_graph.BucketGraph.step

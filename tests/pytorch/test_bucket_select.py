@@ -22,10 +22,11 @@ ADJACENT = [("w1", 3000), ("w2", 5000), ("w3", 2000)]
 
 
 def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=None, rebuild_at=None,
-         fixed=False, steady=False, pickle_at=None):
+         fixed=False, steady=False, pickle_at=None, dense_steps=False):
     """``steps`` steps of two ranks; returns per step the payloads, the residuals and the averaged buffers.
     ``fixed``: each rank's gradients arrive in the same buffer every step (as DDP's bucket buffers do);
-    ``steady``: each buffer has a slot where its steps keep what the next can reuse (as the DDP hook gives)."""
+    ``steady``: each buffer has a slot where its steps keep what the next can reuse (as the DDP hook gives);
+    ``dense_steps``: steps whose members all go dense (a warm-up's first) are allowed, with an empty payload."""
     monkeypatch.setenv("HOROVOD_TOPK_SELECTION", "triton")
     if not grouped:
         monkeypatch.setattr(bucket_select, "groupable", lambda *args: False)
@@ -53,6 +54,11 @@ def _run(members, grouped, monkeypatch, options, steps=4, nan_at=None, load_at=N
             plan = state.plan(layout, buffer, WORLD)
             slot = slots.setdefault((rank, buffer.data_ptr()), {}) if steady else None
             work.append(BucketStep(state, plan, buffer, [(n,) for _, n in layout], WORLD, slot))
+        if dense_steps and all(w.selection is None for w in work):
+            dense = sum(w.dense for w in work)
+            outputs = [w.finish(None, w.dense.copy_(dense)) for w in work]
+            history.append((torch.empty(0, dtype=torch.uint8), [{} for _ in states], [o.clone() for o in outputs]))
+            continue
         assert all(w.selection is not None and w.selection.grouped == grouped for w in work)
         gathered = torch.cat([w.payload for w in work])
         dense = sum(w.dense for w in work) if work[0].dense is not None else None
@@ -257,3 +263,16 @@ def test_cuda_graphs_replay_the_same_steps(members, steady, monkeypatch):
     assert all(s._group_selection().finish_replays() > 0 for s in states)
     assert ([[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in states]
             == [[int(s.registry.records[n].nonfinite_steps) for n, _ in members] for s in alone_states])
+
+
+def test_a_warmup_moving_k_keeps_one_group_per_bucket(monkeypatch):
+    """A sparsity warm-up plans the bucket under new k's phase after phase: each phase's group takes the same
+    residual buffer and the earlier phases' groups are dropped (a model with many buckets would otherwise hold one
+    group per bucket and phase), and the steps are member by member's."""
+    options = {"ratio": 0.02, "warmup_steps": 6}
+    grouped, states = _run(ADJACENT, True, monkeypatch, options, steps=9, fixed=True, steady=True, dense_steps=True)
+    alone, _ = _run(ADJACENT, False, monkeypatch, options, steps=9, fixed=True, steady=True, dense_steps=True)
+    _assert_same(grouped, alone)
+    sizes = [payload.numel() for payload, _, _ in grouped if payload.numel()]
+    assert len(set(sizes)) >= 3  # the warm-up did move k through several compressed phases
+    assert all(len(s._group_selection()._groups) == 1 for s in states)
