@@ -46,13 +46,14 @@ EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.0
 
 #: ratio="auto" decides from the link it measures, so its runs go on the test bed (scripts/testbed.sh) at the rate
 #: in the method's name; the other methods' steps do not depend on the link and run on localhost. "auto" in gradient
-#: mode, "auto-update" in update mode (what target="auto" picks for Adam/AdamW: the product's default path there).
+#: mode, "auto-update" in update mode (what target="auto" picks for Adam/AdamW: the product's default path there),
+#: "auto-cost0" in gradient mode with sparsity_cost=0 (the density chosen by step time alone).
 #: "dense@<rate>", "fp16@<rate>" and the fixed ratios' "topk<ratio>@<rate>": the baselines on the same bed, so that
 #: their training time is measured in the run the same way as auto's (time_to_target.py --bed-methods), not
 #: multiplied from another job's step time.
 BED_RATES = ("100mbit", "1gbit", "10gbit")
-AUTO_METHODS = [f"{method}@{rate}" for method in ("auto", "auto-update", "dense", "fp16", "topk0.01", "topk0.03",
-                                                  "topk0.1") for rate in BED_RATES]
+AUTO_METHODS = [f"{method}@{rate}" for method in ("auto", "auto-update", "auto-cost0", "dense", "fp16", "topk0.01",
+                                                  "topk0.03", "topk0.1") for rate in BED_RATES]
 
 
 def testbed_rate(method: str) -> Optional[str]:
@@ -67,8 +68,9 @@ def compression_for(method: str, warmup_steps: int):
 
     # gradient mode named, not left to target="auto" (which would exchange updates for the language models' Adam):
     # these methods are the gradient-mode rows of the tables; update mode only where the name says so
-    if testbed_rate(method) and method.startswith("auto"):
-        return TopKEF(ratio="auto", target="update" if method.startswith("auto-update") else "gradient")
+    if testbed_rate(method) and method.startswith("auto"):  # "auto-cost0": choosing by step time alone
+        return TopKEF(ratio="auto", target="update" if method.startswith("auto-update") else "gradient",
+                      **({"sparsity_cost": 0.0} if method.startswith("auto-cost0") else {}))
     method = method.partition("@")[0]  # dense@<rate>, fp16@<rate>: the baselines on the bed
     return {
         "dense": hvd.Compression.none,
@@ -134,9 +136,9 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     # The learning rate of 2 workers (2 x lr) at every P: Horovod's linear scaling (lr x P) diverged at P = 4 with
     # dense allreduce (seed 2: test accuracy 0.10), and the study compares methods, not batch sizes.
+    compression = compression_for(method, warmup_steps=3 * steps)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr * 2, momentum=0.9),
-                                   named_parameters=model.named_parameters(),
-                                   compression=compression_for(method, warmup_steps=3 * steps))
+                                   named_parameters=model.named_parameters(), compression=compression)
     gen = torch.Generator().manual_seed(seed * 100 + hvd.rank())
     curve, metric, seconds = [], [], []
     training = 0.0  # wall time of the steps alone (the epoch's loss allreduce and the test pass excluded)
@@ -159,7 +161,8 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
     # evals / train_seconds: the step count and training time at the end of each epoch, as the language models
     # record them at each evaluation (time_to_target.py times a bed run's steps to the target from them)
     return {"metric": "test accuracy", "final": metric[-1], "curve": curve, "metric_curve": metric,
-            "steps_per_epoch": steps, "evals": [steps * (e + 1) for e in range(epochs)], "train_seconds": seconds}
+            "steps_per_epoch": steps, "evals": [steps * (e + 1) for e in range(epochs)], "train_seconds": seconds,
+            **({"auto": compression.stats()["auto"]} if getattr(compression, "auto", None) is not None else {})}
 
 
 #: Language-model budgets in steps: "short" (the study's original 400-step charlm budget) and "converged" (dense's
