@@ -47,6 +47,8 @@ __all__ = ["BucketGraph", "asked", "possible", "run"]
 #: Per device: the side stream where the buckets' graphs replay (in bucket order, as NCCL's own stream runs
 #: collectives), the event it waits on, the device's index.
 _STREAMS: Dict[torch.device, Tuple[Any, Any, int]] = {}
+#: Whether possible() has warned about NCCL_GRAPH_MIXING_SUPPORT=0 (once per process).
+_WARNED: list = []
 
 
 def asked(device: torch.device) -> bool:
@@ -70,9 +72,6 @@ def possible(group: Any) -> bool:
                           RuntimeWarning, stacklevel=2)
         return False
     return True
-
-
-_WARNED: list = []
 
 
 class BucketGraph:

@@ -23,7 +23,7 @@ from ..core.pending import reduction_scale
 from .exchange import ExchangeRequest
 from .bucket_select import BucketSelection
 from .sparse_allreduce import SparseRounds
-from .steady_bucket import SteadyBucket, kept
+from .steady_bucket import SteadyBucket, gather_ranges, kept, scatter_ranges
 
 __all__ = ["BucketStep"]
 
@@ -108,7 +108,7 @@ class BucketStep:
         if len(dense) == len(plan.members):
             self.dense = buffer.div_(world_size)
         elif dense:
-            self.dense = torch.cat([buffer[m.offset:m.end] for m in dense]).div_(world_size)
+            self.dense = gather_ranges(buffer, [(m.offset, m.end) for m in dense], world_size)
 
     def gathered_buffer(self) -> torch.Tensor:
         """Where the allgather of every rank's :attr:`payload` should land (a buffer the selection may keep, so
@@ -126,12 +126,11 @@ class BucketStep:
         (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, and the sparse allreduce's
         allgather of the owners' kept sums (``owners``); returns the buffer."""
         copy_back = None
-        if dense_sum is not None and not self.all_dense:  # one batched copy (one multi-tensor kernel on CUDA)
-            dense, buffer = self.plan.dense, self.buffer
+        if dense_sum is not None and not self.all_dense:
+            ranges, buffer = [(m.offset, m.end) for m in self.plan.dense], self.buffer
 
             def copy_back() -> None:
-                torch._foreach_copy_([buffer[m.offset:m.end] for m in dense],
-                                     list(dense_sum.split([m.numel for m in dense])))
+                scatter_ranges(buffer, ranges, dense_sum)
         if self.selection is not None:
             assert gathered is not None and self.payload is not None
             per_rank = self.payload.numel()
@@ -143,8 +142,7 @@ class BucketStep:
             # new tensor each time, and keyed by its address it would record a graph again and again.
             with_it = None
             if copy_back is not None and dense_sum is self.selection.beside:  # its graph's key, built only here
-                places = tuple((m.offset, m.end) for m in self.plan.dense)
-                with_it = ((dense_sum.data_ptr(), self.buffer.data_ptr(), places), copy_back)
+                with_it = ((dense_sum.data_ptr(), self.buffer.data_ptr(), tuple(ranges)), copy_back)
                 copy_back = None
             self.selection.finish(gathered.view(self.world_size, per_rank), self.scale, with_it)
         if self.sparse is not None:

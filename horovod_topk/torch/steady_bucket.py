@@ -13,13 +13,13 @@ spike guard and no DGC momentum (they read or change state per member and step).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
 from ..core.bucket_plan import BucketPlan
 
-__all__ = ["SteadyBucket"]
+__all__ = ["SteadyBucket", "gather_ranges", "kept", "scatter_ranges"]
 
 
 class SteadyBucket:
@@ -97,13 +97,24 @@ class SteadyBucket:
         return [buffer[a:b] for a, b in self.dense_ranges]
 
     def gather_dense(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The dense members' gradients back to back, divided by the world size: ready for a sum-allreduce."""
-        return torch.cat(self.dense_views(buffer)).div_(self.world_size)
+        """:func:`gather_ranges` of the dense members."""
+        return gather_ranges(buffer, self.dense_ranges, self.world_size)
 
     def scatter_dense(self, buffer: torch.Tensor, dense_sum: torch.Tensor) -> None:
-        """The dense members' averages (``dense_sum``, as :meth:`gather_dense` laid them out) written back over
-        their places in ``buffer``: one batched copy."""
-        torch._foreach_copy_(self.dense_views(buffer), list(dense_sum.split([b - a for a, b in self.dense_ranges])))
+        """:func:`scatter_ranges` of the dense members' averages."""
+        scatter_ranges(buffer, self.dense_ranges, dense_sum)
+
+
+def gather_ranges(buffer: torch.Tensor, ranges: Sequence[Tuple[int, int]], world_size: int) -> torch.Tensor:
+    """The slices ``ranges`` of ``buffer`` (a bucket's dense members) back to back, divided by the world size:
+    ready for a sum-allreduce."""
+    return torch.cat([buffer[a:b] for a, b in ranges]).div_(world_size)
+
+
+def scatter_ranges(buffer: torch.Tensor, ranges: Sequence[Tuple[int, int]], values: torch.Tensor) -> None:
+    """``values`` (laid out as :func:`gather_ranges` made them) written back over the slices ``ranges`` of
+    ``buffer``: one batched copy (one multi-tensor kernel on CUDA)."""
+    torch._foreach_copy_([buffer[a:b] for a, b in ranges], list(values.split([b - a for a, b in ranges])))
 
 
 def kept(slot: Optional[dict], state: Any, plan: BucketPlan, buffer: torch.Tensor,
