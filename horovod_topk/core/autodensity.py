@@ -9,12 +9,14 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
 2. at a decision step (the same step on every rank), probes the link with two synchronous allreduces (a tiny one:
    the latency of one collective; a large one: the rate), and reduces everything over ranks (max of each column,
    rows gathered so every rank computes the same numbers);
-3. predicts the step time of dense and of every density of DENSITIES with core.costmodel's per-tensor routes
+3. predicts the step time of dense, of dense in float16 (HALF, where the front end can send it) and of every
+   density of DENSITIES with core.costmodel's per-tensor routes
    and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
    density d is taken to need, d ** -sparsity_cost times dense's (a prior from steps-to-target runs: the
    compressor never sees the loss). It takes **the largest density whose communication beyond compute fits the
-   budget** (exposed <= budget x step), dense when dense fits, or the soonest to the target of the denser ones
-   when they are sooner; if none fits, the densest within 5% of the soonest; never one predicted later than dense;
+   budget** (exposed <= budget x step), dense when dense fits, then fp16 (half dense's bytes, dense's steps), or
+   the soonest to the target of the denser ones when they are sooner; if none fits, the densest within 5% of the
+   soonest; never one predicted later than dense;
 4. decides again every ``auto_every`` steps (and soon after every change, to check the prediction against the
    measured step), changing its mind only with hysteresis.
 
@@ -28,6 +30,7 @@ Prediction, per step::
               collectives ran slower than the probes predict), so that T(dense) is the step measured
     offset  = measured - predicted step of the last sparse window: what compressing costs beyond its selection
               and its bytes (more collectives, their cycles, CPU taken from backward), the same for every density
+              (fp16 has its own, from its own window: the casts and the residual's pass)
 
 Everything here is a pure function of numbers every rank holds after the reduction, so every rank takes the same
 decision at the same step; the compressor re-runs its rank agreement check after each change.
@@ -37,15 +40,17 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .config import TopKConfig
 from .costmodel import Link, collectives_per_step, comm_time, route_tensors
-from .exchange import COLLECTIVES, DENSE, SPARSE_ALLREDUCE
+from .exchange import COLLECTIVES, DENSE, DENSE_HALF, SPARSE_ALLREDUCE
 from .policy import RouteSchedule, TensorPlan, plan_tensor, route_schedule
 
 __all__ = [
     "DENSITIES",
+    "HALF",
+    "Density",
     "HYSTERESIS",
     "WINDOW_STEPS",
     "SETTLE_STEPS",
@@ -62,12 +67,19 @@ __all__ = [
     "config_at",
     "auto_schedule",
     "dense_plan",
+    "half_plan",
 ]
 
 #: The densities auto chooses among, densest first (dense itself is the candidate None).
 DENSITIES = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+#: Every tensor dense with its values in float16: half dense's bytes at dense's steps. What Horovod's
+#: ``Compression.fp16`` sends, with error feedback (core.exchange.DENSE_HALF). Chosen where the front end sends it
+#: (AutoDensity.half); it goes between dense and the densities because it sends more of the gradient than any of them.
+HALF = "fp16"
+#: What auto may have in force: None (dense), HALF, or one of DENSITIES.
+Density = Union[None, str, float]
 #: Every choice, dense first: the position a traced graph (TensorFlow) looks up to take the density in force.
-CHOICES: Tuple[Optional[float], ...] = (None,) + DENSITIES
+CHOICES: Tuple[Density, ...] = (None, HALF) + DENSITIES
 #: A change needs a 25% margin: the step predicted this much faster, or the budget missed (or met) by this much.
 HYSTERESIS = 0.25
 #: A denser density (dense included) predicted this much faster than the current one is taken at once: sending
@@ -82,10 +94,11 @@ SETTLE_STEPS = 2
 COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry", "lone_s")
 
 
-def choice_index(ratio: Optional[float]) -> int:
+def choice_index(ratio: Density) -> int:
     """The position of ``ratio`` (None: dense) in CHOICES."""
     if ratio not in CHOICES:
-        raise ValueError(f"horovod-topk: {ratio!r} is not one of auto's densities {DENSITIES} (or None: dense)")
+        raise ValueError(f"horovod-topk: {ratio!r} is not one of auto's choices: None (dense), {HALF!r} or one of "
+                         f"{DENSITIES}")
     return CHOICES.index(ratio)
 
 
@@ -100,14 +113,23 @@ def dense_plan(numel: int) -> TensorPlan:
     return TensorPlan(numel, None, "ratio='auto': dense", DENSE)
 
 
+def half_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
+    """A tensor's plan while ratio="auto" holds fp16: dense in float16, unless float16 saves nothing (a gradient of
+    2 bytes or fewer a value already, or not floating point: dense as it is)."""
+    if not is_floating or grad_itemsize <= 2:
+        return dense_plan(numel)
+    return TensorPlan(numel, None, "ratio='auto': fp16", DENSE_HALF)
+
+
 def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int,
                   value_itemsize: int, grad_itemsize: int, sparse_available: bool = False
                   ) -> Optional[RouteSchedule]:
     """A tensor's route and k under each of CHOICES (position i: CHOICES[i]), for a traced graph that holds one
     branch per route and looks up the choice in force at each step; None when every choice sends it dense (too
-    small, not floating, or dense_fallback at every density). Each position is plan_tensor's plan at that density:
-    the plan PyTorch executes while it is in force."""
-    plans = [dense_plan(numel)] + [
+    small, not floating, or dense_fallback at every density). Each density's position is plan_tensor's plan at
+    that density: the plan PyTorch executes while it is in force. HALF's position is dense: a traced graph's
+    compressor does not choose it (its AutoDensity has ``half=False``)."""
+    plans = [dense_plan(numel), dense_plan(numel)] + [
         plan_tensor(name, numel, is_floating, config_at(config, ratio), world_size=world_size,
                     value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
         for ratio in DENSITIES]
@@ -166,7 +188,7 @@ class Choice:
     """One decision: ``ratio`` (None: dense), why, the predicted step time of every candidate, and its predicted
     time to the target in dense-step units (step time x steps_factor: what the decision compares)."""
 
-    ratio: Optional[float]
+    ratio: Density
     reason: str
     predicted_s: Dict[str, float]
     exposed_s: Dict[str, float]
@@ -177,15 +199,20 @@ class Choice:
         return label(self.ratio)
 
 
-def label(ratio: Optional[float]) -> str:
-    return "dense" if ratio is None else f"{ratio:g}"
+def label(ratio: Density) -> str:
+    """The name of a choice in predictions and logs: "dense", "fp16", or the density ("0.01")."""
+    if ratio is None or isinstance(ratio, str):
+        return "dense" if ratio is None else ratio
+    return f"{ratio:g}"
 
 
-def steps_factor(ratio: Optional[float], sparsity_cost: float) -> float:
+def steps_factor(ratio: Density, sparsity_cost: float) -> float:
     """How many times dense's steps density ``ratio`` is taken to need to dense's loss: ratio ** -sparsity_cost
     (1 for dense and fp16, whose losses match dense's). A prior, not a measurement of this job: the compressor
     never sees the loss. Its exponent comes from steps-to-target runs (core.config.DEFAULT_SPARSITY_COST)."""
-    return 1.0 if ratio is None else float(ratio) ** -float(sparsity_cost)
+    if ratio is None or isinstance(ratio, str):
+        return 1.0
+    return float(ratio) ** -float(sparsity_cost)
 
 
 def to_target(steps: Mapping[str, float], sparsity_cost: float) -> Dict[str, float]:
@@ -203,10 +230,12 @@ def predict_steps(
     hidden_s: float,
     offset_s: float,
     grad_itemsize: int = 4,
+    half_offset_s: float = 0.0,
 ) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, int]]:
     """(predicted step time, predicted exposed time, entries compressed) per candidate label ("dense", "fp16",
     and each density of DENSITIES) from the compute of the last dense window and the probed link (module
-    docstring). A negative ``hidden_s`` is dense's communication measured slower than the probes predict."""
+    docstring). A negative ``hidden_s`` is dense's communication measured slower than the probes predict;
+    ``half_offset_s`` is what an fp16 window measured beyond fp16's prediction."""
     link = m.link()
     world_size = m.world_size
     steps: Dict[str, float] = {}
@@ -216,7 +245,7 @@ def predict_steps(
         routes = route_tensors(method, tensors, world_size, grad_itemsize=grad_itemsize)
         t_comm = comm_time(sum(r.nbytes for r in routes), collectives_per_step(routes, method, world_size,
                                                                                 grad_itemsize, link), link)
-        exposed[method] = max(0.0, t_comm - hidden_s)
+        exposed[method] = max(0.0, t_comm - hidden_s + (half_offset_s if method == HALF else 0.0))
         steps[method] = compute_s + exposed[method]
         compressed[method] = 0
     for ratio in DENSITIES:
@@ -251,8 +280,11 @@ def choose_density(
     hidden_s: float = 0.0,
     offset_s: float = 0.0,
     grad_itemsize: int = 4,
+    half: bool = False,
+    half_offset_s: float = 0.0,
 ) -> Choice:
-    """The density for the next steps (None: dense). Pure: every rank computes it from the same numbers.
+    """The density for the next steps (None: dense; HALF: dense in float16, a candidate only where ``half``). Pure:
+    every rank computes it from the same numbers.
 
     Time to the target is step time x steps_factor (``config.sparsity_cost``; 0: step time alone). The largest
     density (dense first) whose exposed communication fits ``config.budget`` of the step, unless a denser one is
@@ -265,19 +297,23 @@ def choose_density(
     """
     budget = float(config.budget if config.budget is not None else 0.0)
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
-                                      hidden_s=hidden_s, offset_s=offset_s, grad_itemsize=grad_itemsize)
+                                      hidden_s=hidden_s, offset_s=offset_s, grad_itemsize=grad_itemsize,
+                                      half_offset_s=half_offset_s)
     time = to_target(steps, float(config.sparsity_cost or 0.0))
 
-    def choice(ratio: Optional[float], why: str) -> Choice:
+    def choice(ratio: Density, why: str) -> Choice:
         return Choice(ratio, why, steps, exposed, time)
 
     if m.world_size <= 1:
         return choice(None, "one worker: nothing travels")
-    order: List[Optional[float]] = [None, *DENSITIES]
+    order: List[Density] = [None, HALF, *DENSITIES] if half else [None, *DENSITIES]
+    if current not in order:  # fp16 in force where it is no longer a candidate: decide afresh
+        current, first = None, True
     fitting = [r for r in order if _fits(label(r), steps, exposed, budget)]
     if fitting:
         best = fitting[0]
-        why = "dense fits the budget" if best is None else "the largest density that fits the budget"
+        why = (f"{label(best)} fits the budget" if best is None or best == HALF
+               else "the largest density that fits the budget")
     else:  # compress no more than the link needs: the densest near the soonest to the target. With sparsity_cost
         # 0 "near" is the budget, a proxy for what entries not sent cost; a positive cost prices that already, so
         # only a FASTER tie goes to the denser one.
@@ -318,8 +354,10 @@ class AutoDensity:
     decisions and what each decided. What persists (state_dict) is what every rank holds alike."""
 
     config: TopKConfig
-    #: The density in force (None: dense). Dense until the first decision.
-    ratio: Optional[float] = None
+    #: Whether this front end sends HALF (dense in float16), so that auto may choose it.
+    half: bool = False
+    #: The density in force (None: dense; HALF: dense in float16). Dense until the first decision.
+    ratio: Density = None
     #: Steps begun since construction or load (the global step of this compressor).
     step: int = -1
     #: The step at which the next decision is taken (the first: after SETTLE_STEPS + WINDOW_STEPS dense steps).
@@ -330,6 +368,8 @@ class AutoDensity:
     compute_s: float = 0.0
     hidden_s: float = 0.0
     offset_s: float = 0.0
+    #: What the last fp16 window measured beyond fp16's prediction (its casts, its residual's pass).
+    half_offset_s: float = 0.0
     decisions: int = 0
     changes: int = 0
     last: Dict[str, Any] = field(default_factory=dict)
@@ -388,6 +428,10 @@ class AutoDensity:
             raw, _, _ = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
                                       grad_itemsize=grad_itemsize)
             self.hidden_s = raw["dense"] - m.exposed_s
+        elif self.ratio == HALF:  # an fp16 window: what fp16 costs beyond its bytes on this machine
+            before, _, _ = predict_steps(tensors, self.config, m, compute_s=self.compute_s, hidden_s=self.hidden_s,
+                                         offset_s=0.0, grad_itemsize=grad_itemsize)
+            self.half_offset_s = m.period_s - before[HALF]
         else:  # a sparse window: the selection's measured cost, and what the model missed at this density
             _, _, entries = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
                                           grad_itemsize=grad_itemsize)
@@ -397,7 +441,8 @@ class AutoDensity:
                                          offset_s=0.0, grad_itemsize=grad_itemsize)
             self.offset_s = m.period_s - before[label(self.ratio)]
         choice = choose_density(tensors, self.config, m, current=self.ratio, first=first, compute_s=self.compute_s,
-                                hidden_s=self.hidden_s, offset_s=self.offset_s, grad_itemsize=grad_itemsize)
+                                hidden_s=self.hidden_s, offset_s=self.offset_s, grad_itemsize=grad_itemsize,
+                                half=self.half, half_offset_s=self.half_offset_s)
         changed = first or choice.ratio != self.ratio
         self.decisions += 1
         self.changes += int(choice.ratio != self.ratio)
@@ -418,6 +463,7 @@ class AutoDensity:
             "latency_s": link.latency_s,
             "hidden_s": self.hidden_s,
             "offset_s": self.offset_s,
+            "half_offset_s": self.half_offset_s,
             "predicted_s": dict(choice.predicted_s),
             "to_target_s": dict(choice.to_target_s),
             "world_size": m.world_size,
@@ -439,10 +485,19 @@ class AutoDensity:
         self._started = None
 
     def effective_config(self) -> Optional[TopKConfig]:
-        """The configuration the compressor plans with now; None while dense."""
-        if self.ratio is None:
+        """The configuration the compressor plans with now; None while dense or fp16 (see :meth:`held_plan`)."""
+        if self.ratio is None or self.ratio == HALF:
             return None
-        return config_at(self.config, self.ratio)
+        return config_at(self.config, float(self.ratio))  # type: ignore[arg-type]
+
+    def held_plan(self, numel: int, is_floating: bool, grad_itemsize: int) -> Optional[TensorPlan]:
+        """A tensor's plan while the choice in force sends every tensor dense (dense, or fp16); None while a
+        density is in force (then plan_tensor under :meth:`effective_config`)."""
+        if self.ratio is None:
+            return dense_plan(numel)
+        if self.ratio == HALF:
+            return half_plan(numel, is_floating, grad_itemsize)
+        return None
 
     def summary_line(self) -> str:
         """The one log line of a decision that changed the density."""
@@ -460,29 +515,37 @@ class AutoDensity:
         return (f"horovod-topk auto: step {last.get('step')}: link {last.get('bandwidth_bps', 0) / 1e6:.1f} Mbit/s, "
                 f"latency {last.get('latency_s', 0) * 1e3:.2f} ms, compute {last.get('compute_s', 0) * 1e3:.0f} ms, "
                 f"measured step {last.get('measured_step_s', 0) * 1e3:.0f} ms; predicted {shown}; "
-                f"-> {'dense' if self.ratio is None else f'ratio {self.ratio:g}'} ({last.get('reason')}; budget "
+                f"-> {label(self.ratio) if self.ratio is None or self.ratio == HALF else f'ratio {self.ratio:g}'} "
+                f"({last.get('reason')}; budget "
                 f"{self.config.budget:.0%}, sparsity_cost {self.config.sparsity_cost:g})")
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"ratio": self.ratio, "step": self.step, "next_decision": self.next_decision,
-                "compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s, "decisions": self.decisions,
-                "changes": self.changes}
+                "compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s,
+                "half_offset_s": self.half_offset_s, "decisions": self.decisions, "changes": self.changes}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         ratio = state.get("ratio")
-        if ratio is not None and ratio not in DENSITIES:
-            raise ValueError(f"horovod-topk: the saved auto density {ratio!r} is not one of {DENSITIES}")
-        self.ratio = ratio
+        if ratio is not None and ratio != HALF and ratio not in DENSITIES:
+            raise ValueError(f"horovod-topk: the saved auto density {ratio!r} is not one of {DENSITIES} (or "
+                             f"{HALF!r}, or None: dense)")
+        # fp16 saved where this front end does not send it (another framework's checkpoint): dense, and decide
+        # again after a fresh window (below), as every load does when workers change
+        fresh = ratio == HALF and not self.half
+        self.ratio = None if fresh else ratio
         self.step = int(state.get("step", -1))
         self.next_decision = int(state.get("next_decision", self.step + 1))
         self.compute_s = float(state.get("compute_s", 0.0))
         self.hidden_s = float(state.get("hidden_s", 0.0))
         self.offset_s = float(state.get("offset_s", 0.0))
+        self.half_offset_s = float(state.get("half_offset_s", 0.0))
         self.decisions = int(state.get("decisions", 0))
         self.changes = int(state.get("changes", 0))
         self.restart_window()
         self._measure_from = self.step + 1 + SETTLE_STEPS
+        if fresh:
+            self.decide_soon()
 
     def stats(self) -> Dict[str, Any]:
         return {"ratio": self.ratio, "decisions": self.decisions, "changes": self.changes,

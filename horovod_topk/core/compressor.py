@@ -78,7 +78,15 @@ class CompressorState(abc.ABC, Generic[R]):
         #: Reports every config.log_every steps (core.telemetry).
         self.telemetry = Telemetry(self.config.log_every, summary_writer)
         #: With ratio="auto": the density in force and the measurements it is chosen from (core.autodensity).
-        self.auto: Optional[AutoDensity] = AutoDensity(self.config) if self.config.auto else None
+        self.auto: Optional[AutoDensity] = self._new_auto()
+
+    #: Whether this front end sends a tensor dense in float16 (core.exchange.DENSE_HALF), so that ratio="auto" may
+    #: choose fp16 (core.autodensity.HALF).
+    _sends_half: bool = False
+
+    def _new_auto(self) -> Optional[AutoDensity]:
+        """A fresh ratio="auto" state (None under a fixed ratio)."""
+        return AutoDensity(self.config, half=self._sends_half) if self.config.auto else None
 
     def _report_if_due(self, completed_steps: int, rank: Optional[int] = None) -> None:
         """Called before a tensor starts step ``completed_steps + 1``: the telemetry report of the steps so far,
@@ -155,7 +163,7 @@ class CompressorState(abc.ABC, Generic[R]):
             if state.get("auto") is not None:
                 self.auto.load_state_dict(state["auto"])
             else:  # a checkpoint of a fixed ratio: measure and decide afresh
-                self.auto = AutoDensity(self.config)
+                self.auto = self._new_auto()
         self.telemetry.restart()
         self._after_load()
 
@@ -163,7 +171,7 @@ class CompressorState(abc.ABC, Generic[R]):
         """Forget all residuals and counters (for a new training run with the same compressor object)."""
         self.registry.clear()
         self.telemetry.restart()
-        self.auto = AutoDensity(self.config) if self.config.auto else None
+        self.auto = self._new_auto()
 
     def stats(self) -> Dict[str, Any]:
         """Traffic and residual statistics of this rank.

@@ -61,6 +61,7 @@ __all__ = [
     "ALLGATHER",
     "SPARSE_ALLREDUCE",
     "DENSE",
+    "DENSE_HALF",
     "HASH_MULTIPLIER",
     "CAPACITY_SLACK",
     "region_of",
@@ -81,6 +82,9 @@ AUTO = "auto"
 ALLGATHER = "allgather"
 SPARSE_ALLREDUCE = "sparse_allreduce"
 DENSE = "dense"
+#: Dense, the values in float16 (ratio="auto"'s "fp16" choice: Horovod's fp16 compression with error feedback; the
+#: rounding and anything beyond float16's range stay in the residual). A dense route, not an exchange.
+DENSE_HALF = "dense_fp16"
 #: The values TopKConfig.exchange accepts.
 EXCHANGES = (AUTO, ALLGATHER, SPARSE_ALLREDUCE)
 
@@ -93,7 +97,7 @@ HASH_MULTIPLIER = 2654435761
 CAPACITY_SLACK = 1.1
 #: Collectives Horovod launches for one tensor's step under each exchange (the phase-2 allgather of the sparse
 #: allreduce is a second one, started only when phase 1 has finished).
-COLLECTIVES = {DENSE: 1, ALLGATHER: 1, SPARSE_ALLREDUCE: 2}
+COLLECTIVES = {DENSE: 1, DENSE_HALF: 1, ALLGATHER: 1, SPARSE_ALLREDUCE: 2}
 #: What one more collective costs, counted in bytes (its fixed time x the link's rate), when "auto" weighs an
 #: exchange that launches more collectives: 128 KiB is ~1 ms at 1 Gbit/s or ~0.1 ms at 10 Gbit/s. A collective's
 #: fixed cost is its latency plus, for a chained second phase, the wait for another turn of Horovod's background

@@ -5,6 +5,7 @@ from horovod_topk.core import TopKConfig
 from horovod_topk.core.autodensity import (
     DENSITIES,
     FASTER,
+    HALF,
     SETTLE_STEPS,
     WINDOW_STEPS,
     AutoDensity,
@@ -208,6 +209,48 @@ def test_the_state_object_measures_after_settling_and_decides_on_schedule():
     assert other.state_dict() == saved and other.effective_config() is None
     with pytest.raises(ValueError, match="density"):
         other.load_state_dict({**saved, "ratio": 0.5})
+
+
+def test_fp16_is_chosen_only_where_the_front_end_sends_it_and_it_is_soonest():
+    """A link where dense's step is mostly exposed communication and sparsity costs steps: fp16 (half the bytes,
+    dense's steps) is the soonest to the target, so a front end that sends fp16 takes it, and one that does not
+    takes what it took before; a fast link stays dense either way."""
+    m = link(2.4e9, compute=1.0, select=2e-9)
+    without = choose_density(TENSORS, AUTO, m, current=None, first=True)
+    with_half = choose_density(TENSORS, AUTO, m, current=None, first=True, half=True)
+    times = with_half.to_target_s
+    assert with_half.ratio == HALF and with_half.label == "fp16", with_half.reason
+    assert times["fp16"] < times["dense"] and times["fp16"] <= min(times.values()) + 1e-12
+    assert without.ratio != HALF and without.predicted_s == with_half.predicted_s
+    assert choose_density(TENSORS, AUTO, link(1e12), current=None, first=True, half=True).ratio is None
+    # a front end that stops sending fp16 (a load) decides afresh instead of keeping it
+    again = choose_density(TENSORS, AUTO, m, current=HALF, first=False)
+    assert again.ratio != HALF and again.ratio == without.ratio
+
+
+def test_an_fp16_window_measures_its_own_offset_and_round_trips():
+    auto = AutoDensity(AUTO, half=True)
+    auto.step = SETTLE_STEPS + WINDOW_STEPS
+    m = link(2.4e9, compute=1.0, select=2e-9)
+    raw = predict_steps(TENSORS, AUTO, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0)[0]
+    dense_step = 1.0 + raw["dense"]  # what backward hides: nothing
+    assert auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step)).ratio == HALF
+    assert auto.effective_config() is None and auto.held_plan(1000, True, 4).exchange == "dense_fp16"
+    assert auto.held_plan(1000, True, 2).exchange == "dense" and auto.held_plan(1000, False, 8).exchange == "dense"
+    assert "-> fp16" in auto.summary_line()
+    # the fp16 window measured 2 s slower than predicted: its offset says so, and dense comes back
+    auto.step = auto.next_decision
+    back = auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step + 2.0))
+    assert auto.half_offset_s == pytest.approx(dense_step + 2.0 - (1.0 + raw["fp16"]))
+    assert back.ratio is None and auto.offset_s == 0.0  # the sparse offset is not fp16's
+    saved = {**auto.state_dict(), "ratio": HALF}
+    same = AutoDensity(AUTO, half=True)
+    same.load_state_dict(saved)
+    assert same.ratio == HALF and same.state_dict() == saved
+    # a front end that does not send fp16 loads it as dense and decides again after a fresh window
+    other = AutoDensity(AUTO)
+    other.load_state_dict(saved)
+    assert other.ratio is None and other.next_decision == other.step + 1 + SETTLE_STEPS + WINDOW_STEPS
 
 
 def test_no_change_waits_auto_every_steps():
