@@ -21,7 +21,9 @@ selection recorded once as a CUDA graph and replayed: HOROVOD_TOPK_CUDA_GRAPHS=1
 ``topk-bucket-graphs`` (a steady bucket's whole step, its NCCL collectives included, one graph replayed on a side
 stream: HOROVOD_TOPK_CUDA_GRAPHS=bucket, torch.bucket_graph; GPU only).
 On request ``auto`` (ratio="auto": with one worker nothing travels, so it stays dense after its first decision at
-step 12; what its clock, probes and dense path add to DDP's step). One elementwise pass (``r.add_(g)`` over every
+step 12; what its clock, probes and dense path add to DDP's step), ``fp16-hook`` (torch's own
+``fp16_compress_hook``) and ``auto-fp16`` (ratio="auto" held at its fp16 choice: the same float16 allreduce with
+the rounding fed back into each tensor's residual, torch.half_route). One elementwise pass (``r.add_(g)`` over every
 gradient) is timed in the same steps, as the unit the CPU numbers are given in.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_compress import MODELS  # noqa: E402  (the same real layer shapes)
 
+from horovod_topk.core.autodensity import HALF  # noqa: E402
 from horovod_topk.torch import bucket_select, group_graphs  # noqa: E402
 from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook  # noqa: E402
 
@@ -122,9 +125,15 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
             module = Shapes(MODELS[model_name](), device)
             batch, loss_of = (torch.ones((), device=device),), (lambda out: out)
         ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
-        if method != "dense":
-            states[method] = TopKEFState(ratio="auto" if method == "auto" else ratio,
+        if method == "fp16-hook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+            ddp.register_comm_hook(None, fp16_compress_hook)
+        elif method != "dense":
+            states[method] = TopKEFState(ratio="auto" if method.startswith("auto") else ratio,
                                          named_parameters=module.named_parameters())
+            if method == "auto-fp16":  # held at fp16: no decision ever due
+                states[method].auto.half, states[method].auto.ratio = True, HALF
+                states[method].auto.next_decision = 1 << 62
             ddp.register_comm_hook(states[method], timed_hook(hook_ms.setdefault(method, [])))
         models[method] = ddp
         inputs[method] = (batch, loss_of)
@@ -286,7 +295,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS + ["auto"])
+    parser.add_argument("--methods", nargs="+", default=None, choices=METHODS + ["auto", "fp16-hook", "auto-fp16"])
     parser.add_argument("--real-batch", type=int, default=0,
                         help="time a real network of each size (torchvision's ResNet-50 on this many 224x224 images, "
                              "a GPT-2-small-sized decoder on this many 256-token sequences) instead of the shapes "
@@ -333,7 +342,7 @@ def main() -> None:
             print(f"| {name} | " + " | ".join(f"{r[m]:.2f}" for m in methods) + f" | {r['elementwise']:.2f} | "
                   + " | ".join(over) + " |")
             print(f"# {name}: host ms inside the hook per step (launching, not waiting): "
-                  + ", ".join(f"{m} {r['hook:' + m]:.2f}" for m in methods if m != "dense"))
+                  + ", ".join(f"{m} {r['hook:' + m]:.2f}" for m in methods if f"hook:{m}" in r))
             if "replays" in r:
                 print(f"# {name}: topk-graphs replayed {r['replays']} bucket selections and {r['finish_replays']} "
                       f"addings back as CUDA graphs")

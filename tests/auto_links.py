@@ -42,3 +42,10 @@ def script(monkeypatch, probes_module, plan):
 
     monkeypatch.setattr(probes_module, "measure", measure)
     return decided
+
+
+def half_link(world_size: int) -> Measurement:
+    """A dense window over a 1 Mbit/s link whose communication mostly hides behind compute (5 ms of 15 exposed):
+    dense misses the budget, fp16 (half its bytes) hides entirely, where the front end sends fp16."""
+    return Measurement(period_s=0.015, compute_s=0.01, compress_s=0.0, latency_s=1e-4, large_s=8.0,
+                       large_nbytes=1e6, select_s_per_entry=1e-9, world_size=world_size)

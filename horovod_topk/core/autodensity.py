@@ -490,6 +490,11 @@ class AutoDensity:
             return None
         return config_at(self.config, float(self.ratio))  # type: ignore[arg-type]
 
+    @property
+    def held_route(self) -> str:
+        """How a tensor goes while :meth:`effective_config` is None: DENSE_HALF while fp16 is in force, else DENSE."""
+        return DENSE_HALF if self.ratio == HALF else DENSE
+
     def held_plan(self, numel: int, is_floating: bool, grad_itemsize: int) -> Optional[TensorPlan]:
         """A tensor's plan while the choice in force sends every tensor dense (dense, or fp16); None while a
         density is in force (then plan_tensor under :meth:`effective_config`)."""

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence, Tuple
 
-from .autodensity import dense_plan
+from .autodensity import dense_plan, half_plan
 from .buckets import BucketLayout
 from .config import TopKConfig
 from .consistency import fingerprint
-from .exchange import ALLGATHER, DENSE
+from .exchange import ALLGATHER, DENSE, DENSE_HALF
 from .payload import PayloadLayout
 from .policy import TensorPlan, plan_tensor, tensor_payload_layout, warmup_phase
 
@@ -79,7 +79,13 @@ class BucketPlan:
 
     @cached_property
     def dense(self) -> Tuple[MemberPlan, ...]:
-        return tuple(m for m in self.members if not m.compressed)
+        """The members that go dense as they are (their dense allreduce)."""
+        return tuple(m for m in self.members if not m.compressed and m.plan.exchange != DENSE_HALF)
+
+    @cached_property
+    def halved(self) -> Tuple[MemberPlan, ...]:
+        """The members that go dense in float16 (ratio="auto"'s fp16: core.exchange.DENSE_HALF)."""
+        return tuple(m for m in self.members if m.plan.exchange == DENSE_HALF)
 
     @cached_property
     def numel(self) -> int:
@@ -125,25 +131,29 @@ def plan_bucket(
     value_itemsize: int,
     grad_itemsize: int,
     sparse_available: bool = False,
+    held: str = DENSE,
 ) -> BucketPlan:
     """The plan of a bucket whose flat buffer holds ``members`` ((name, numel), in buffer order) at ``step``.
 
     Each member is planned as on its own (core.policy.plan_tensor: min_numel, dense_fallback, warm-up, the
     exchange's cost model, which weighs the sparse allreduce where ``sparse_available``). The members that take
     the allgather share one payload and one allgather; those that take the sparse allreduce share one alltoall
-    and one allgather. ``config`` None: every member dense (ratio="auto" while dense is in force).
+    and one allgather. ``config`` None: every member dense, its values in float16 where ``held`` is DENSE_HALF
+    (ratio="auto" while dense or fp16 is in force: core.autodensity.half_plan).
     """
     if not members:
         raise ValueError("horovod-topk: a bucket needs at least one member")
     phase = warmup_phase(config, step) if config is not None else 0
-    key = (tuple(members), config, is_floating, world_size, phase, value_itemsize, grad_itemsize, sparse_available)
+    key = (tuple(members), config, is_floating, world_size, phase, value_itemsize, grad_itemsize, sparse_available,
+           held if config is None else DENSE)
     with _PLANS_LOCK:  # hooks of several models may plan from several threads
         found = _PLANS.get(key)
         if found is not None:
             _PLANS.move_to_end(key)
             return found
     plan = _plan_bucket(members, config, is_floating=is_floating, world_size=world_size, step=step,
-                        value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
+                        value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available,
+                        held=held)
     with _PLANS_LOCK:
         plan = _PLANS.setdefault(key, plan)
         while len(_PLANS) > _PLANS_KEPT:
@@ -153,11 +163,12 @@ def plan_bucket(
 
 def _plan_bucket(members: Sequence[Tuple[str, int]], config: Optional[TopKConfig], *, is_floating: bool,
                  world_size: int, step: int, value_itemsize: int, grad_itemsize: int,
-                 sparse_available: bool) -> BucketPlan:
+                 sparse_available: bool, held: str) -> BucketPlan:
     planned, offset = [], 0
     for name, numel in members:
         if config is None:
-            planned.append(MemberPlan(name, offset, numel, dense_plan(numel), None))
+            plan = (half_plan(numel, is_floating, grad_itemsize) if held == DENSE_HALF else dense_plan(numel))
+            planned.append(MemberPlan(name, offset, numel, plan, None))
             offset += numel
             continue
         plan = plan_tensor(name, numel, is_floating, config, world_size=world_size, step=step,

@@ -6,7 +6,8 @@ with a prefix of its own so it never collides with Horovod's dense allreduce of 
 """
 from __future__ import annotations
 
-__all__ = ["ALLGATHER_PREFIX", "allgather_name", "alltoall_name", "owners_allgather_name", "group_member_name"]
+__all__ = ["ALLGATHER_PREFIX", "allgather_name", "alltoall_name", "owners_allgather_name", "half_allreduce_name",
+           "group_member_name"]
 
 ALLGATHER_PREFIX = "topk."
 
@@ -25,6 +26,11 @@ def alltoall_name(tensor_name: str) -> str:
 def owners_allgather_name(tensor_name: str) -> str:
     """Phase 2 of the sparse allreduce of ``tensor_name``: the allgather of the owners' kept sums."""
     return "topk-sar2." + tensor_name
+
+
+def half_allreduce_name(tensor_name: str) -> str:
+    """The float16 allreduce of ``tensor_name`` (ratio="auto"'s fp16, core.exchange.DENSE_HALF)."""
+    return "topk-fp16." + tensor_name
 
 
 def group_member_name(group_name: str, position: int) -> str:

@@ -25,7 +25,8 @@ class PendingReduction:
     shape: Tuple[Optional[int], ...]
     #: The gradient's own graph name (TensorFlow graph mode), used to name the collective when Horovod does not.
     source_name: Optional[str] = None
-    #: "unrouted" until the routing sees it, then "dense" or "topk".
+    #: "unrouted" until the routing sees it, then "dense", "topk", "fp16" (ratio="auto"'s fp16) or "local" (update
+    #: mode: the gradient stays on its rank).
     route: str = "unrouted"
     #: On a tensor's first step: a callable that raises core.consistency.RankMismatch unless every rank agrees
     #: about this tensor; the routing calls it before waiting for the tensor's own collective.

@@ -44,8 +44,8 @@ class TensorRecord(Generic[R]):
     #: Seconds of host time spent compressing this tensor (telemetry; not saved). On a GPU this is the time to
     #: launch the work, not to run it: timing it would need a host sync.
     compress_seconds: float = 0.0
-    #: The exchange that carried its last compressed step (core.exchange: "allgather" or "sparse_allreduce"); ""
-    #: before any. Telemetry, not saved: it is chosen again each step.
+    #: The exchange that carried its last compressed step (core.exchange: "allgather" or "sparse_allreduce"; or
+    #: "dense_fp16", ratio="auto"'s fp16); "" before any. Telemetry, not saved: it is chosen again each step.
     exchange: str = ""
     #: Whether the ranks' agreement about this tensor was checked (core.consistency) since it was created or
     #: loaded; not saved: a loaded state is checked again.

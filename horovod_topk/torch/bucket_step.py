@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.bucket_plan import BucketPlan
-from ..core.exchange import SPARSE_ALLREDUCE
+from ..core.exchange import DENSE_HALF, SPARSE_ALLREDUCE
 from ..core.pending import reduction_scale
 from .exchange import ExchangeRequest
 from .bucket_select import BucketSelection
@@ -56,6 +56,8 @@ class BucketStep:
         #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
         #: itself, in place, when every member is dense: DDP's own allreduce, bit for bit), or None.
         self.dense: Optional[torch.Tensor] = None
+        #: The fp16 members' float16 values (torch.half_route), back to back, ready for a sum-allreduce, or None.
+        self.half: Optional[torch.Tensor] = None
         steady = kept(slot, state, plan, buffer, world_size)
         if steady is not None:  # the same bucket as last step in every respect: its kept work, not member by member
             self.selection = steady.run(state, buffer)
@@ -82,9 +84,11 @@ class BucketStep:
             state._guard_spike(record, flat)
             record.steps += 1
             record.bytes_dense += member.numel * itemsize
-            if not member.compressed:
+            if not member.compressed and member.plan.exchange != DENSE_HALF:
                 record.bytes_sent += member.numel * itemsize
                 state._send_leftovers(record, flat)
+                continue
+            if member.plan.exchange == DENSE_HALF:  # sent below, with the others in float16
                 continue
             assert member.plan.k is not None
             record.exchange = member.plan.exchange
@@ -104,6 +108,14 @@ class BucketStep:
             self.selection = BucketSelection(state, gathered, world_size, "average", layouts, span)
         self.payload = self.selection.payload if self.selection is not None else None
         self.sparse = SparseRounds(sparse) if sparse else None
+        if plan.halved:  # ratio="auto"'s fp16: each member's float16 values back to back, its rounding in its residual
+            self.half = torch.empty(sum(m.numel for m in plan.halved), dtype=torch.float16, device=buffer.device)
+            at = 0
+            for member in plan.halved:
+                record = state.registry.records[member.name]
+                state._send_half(member.name, record, buffer[member.offset:member.end], self.scale, world_size,
+                                 "average", self.half[at:at + member.numel])
+                at += member.numel
         dense = plan.dense
         if len(dense) == len(plan.members):
             self.dense = buffer.div_(world_size)
@@ -121,10 +133,12 @@ class BucketStep:
         return self.dense is self.buffer
 
     def finish(self, gathered: Optional[torch.Tensor], dense_sum: Optional[torch.Tensor],
-               owners: Optional[torch.Tensor] = None) -> torch.Tensor:
+               owners: Optional[torch.Tensor] = None, half_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Write the bucket's averaged gradients over the buffer from the allgather of every rank's payload
-        (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, and the sparse allreduce's
-        allgather of the owners' kept sums (``owners``); returns the buffer."""
+        (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, the sparse allreduce's
+        allgather of the owners' kept sums (``owners``) and the sum-allreduce of :attr:`half`; returns the buffer."""
+        if half_sum is not None:
+            scatter_ranges(self.buffer, [(m.offset, m.end) for m in self.plan.halved], half_sum)
         copy_back = None
         if dense_sum is not None and not self.all_dense:
             ranges, buffer = [(m.offset, m.end) for m in self.plan.dense], self.buffer

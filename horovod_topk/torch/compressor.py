@@ -27,13 +27,14 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
-from ..core.autodensity import dense_plan
 from ..core.buckets import BucketTable
-from ..core.exchange import ALLGATHER
+from ..core.exchange import ALLGATHER, DENSE_HALF
+from ..core.naming import half_allreduce_name
 from ..core.update_mode import update_tensor_name
 from . import auto_density
 from .buckets import BucketedExchange, UnselectedMember, bucket_member_names
 from .exchange import ExchangeRequest
+from .half_route import HalfHandle
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
 from .state import TorchResiduals
@@ -191,9 +192,10 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         the density in force)."""
         config = self.config
         if self.auto is not None:
+            held = self.auto.held_plan(tensor.numel(), tensor.is_floating_point(), tensor.element_size())
+            if held is not None:  # dense, or fp16, for every tensor
+                return held
             config = self.auto.effective_config()
-            if config is None:
-                return dense_plan(tensor.numel())
         return plan_tensor(
             name, tensor.numel(), tensor.is_floating_point(), config, world_size=world_size,
             step=step, value_itemsize=_dtype_token(self._wire_dtype(tensor)).element_size(),
@@ -210,10 +212,10 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         prescale_factor: float,
         postscale_factor: float,
         process_set: Any,
-    ) -> Optional[TopKHandle]:
+    ) -> Optional[Union[TopKHandle, HalfHandle]]:
         """Error feedback, selection and the exchange of ``tensor`` (a gradient, or in update mode an update) called
         ``name``; None if it must go dense (the caller then allreduces it: the residual's leftovers are in it)."""
-        from horovod.torch.mpi_ops import Average, Sum
+        from horovod.torch.mpi_ops import Average, Sum, allreduce_async, synchronize
 
         op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         world_size = process_set.size()
@@ -230,6 +232,14 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
+        if plan.exchange == DENSE_HALF:  # ratio="auto"'s fp16: its own float16 allreduce (torch.half_route)
+            pending.route = "fp16"
+            if self._bucketed.covers(name):  # it travels on its own; its bucket-mates need not wait for it
+                self._bucketed.arrive(name, None, plan.exchange, allgather_handle)
+            flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            half = self._send_half(name, record, flat, scale, world_size, op_name)
+            handle = allreduce_async(half, name=half_allreduce_name(name), op=Sum, process_set=process_set)
+            return HalfHandle(handle, synchronize, flat, tuple(tensor.shape))
         if not plan.compressed:
             pending.route = "dense"
             record.bytes_sent += dense_nbytes

@@ -42,6 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..core import CompressorState, RankMismatch, mismatch_message
 from ..core import checkpoint as core_checkpoint
 from ..core.bucket_plan import BucketPlan, bucket_fingerprint, plan_bucket
+from ..core.exchange import DENSE
 from . import bucket_graph
 from .bucket_step import BucketStep
 from .checkpoint import TorchTensors
@@ -181,14 +182,15 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
     def plan(self, members: List[Tuple[str, int]], buffer: torch.Tensor, world_size: int) -> BucketPlan:
         """core's plan for a bucket of ``members`` at their current step (every member of a DDP bucket is reduced
         once per synchronised iteration, so they share one step count); with ratio="auto", under the density in
-        force (all dense while dense is)."""
+        force (all dense while dense is, all in float16 while fp16 is)."""
         record = self.registry.records.get(members[0][0])
         step = record.steps if record is not None else 0
         value_dtype = self._wire_dtype(buffer) if buffer.is_floating_point() else buffer.dtype
         config = self.auto.effective_config() if self.auto is not None else self.config
         return plan_bucket(members, config, is_floating=buffer.is_floating_point(), world_size=world_size,
                            step=step, value_itemsize=dtype_token(value_dtype).element_size(),
-                           grad_itemsize=buffer.element_size(), sparse_available=True)
+                           grad_itemsize=buffer.element_size(), sparse_available=True,
+                           held=self.auto.held_route if self.auto is not None else DENSE)
 
     # ---- CompressorState hooks ----------------------------------------------------------------------------
     def _forget_agreements(self) -> None:
@@ -283,7 +285,7 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
     if step.all_dense:
         return (dist.all_reduce(buffer, group=group, async_op=True).get_future()
                 .then(lambda fut: fut.value()[0]))
-    state.buckets_compressed += 1
+    state.buckets_compressed += bool(step.plan.compressed)  # not a bucket sent whole in float16
     state.buckets_grouped += step.selection is not None and step.selection.grouped
     futures: List[torch.futures.Future] = []
     gathered = None
@@ -300,6 +302,8 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
         futures.append(_all_gather_single(owners, owned, group=group, async_op=True).get_future())
     if step.dense is not None:
         futures.append(dist.all_reduce(step.dense, group=group, async_op=True).get_future())
+    if step.half is not None:  # ratio="auto"'s fp16 (torch.half_route): summed in place
+        futures.append(dist.all_reduce(step.half, group=group, async_op=True).get_future())
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
         nonlocal step, gathered, owners
@@ -308,7 +312,7 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
         try:
             for fut in done.value():
                 fut.wait()
-            return step.finish(gathered, step.dense, owners)
+            return step.finish(gathered, step.dense, owners, step.half)
         finally:
             # The collective's thread releases this function after it returns; whatever the closure still owned
             # would be freed there, taking the GIL once per tensor, and a process that ends meanwhile kills that

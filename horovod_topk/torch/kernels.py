@@ -1,5 +1,6 @@
 """Loads the fused CPU kernels (csrc/: compress and decompress in topk_kernels.cpp, the sparse allreduce's
-arithmetic in sparse_rounds.cpp), compiling them once per machine into one module.
+arithmetic in sparse_rounds.cpp, the fp16 route's pass in half_route.cpp), compiling them once per machine into one
+module.
 
 Compiled with torch's own C++ extension builder into its cache (~/.cache/torch_extensions), so the kernel always
 matches the installed torch; scripts/setup.sh builds it at install time so that training never waits for the
@@ -22,7 +23,7 @@ __all__ = ["load", "remove_stale_lock"]
 STALE_LOCK_SECONDS = 15 * 60
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("topk_kernels.cpp", "sparse_rounds.cpp")]
+            for name in ("topk_kernels.cpp", "sparse_rounds.cpp", "half_route.cpp")]
 _module: Optional[ModuleType] = None
 _failed = False
 

@@ -12,7 +12,9 @@ import torch
 
 from ..core import PayloadLayout, TensorRecord
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
+from ..core.exchange import DENSE_HALF
 from . import encoding, ops
+from .half_route import to_half
 from .selection import Backend, backend_for, compress_tensor, dtype_token
 
 __all__ = ["TorchResiduals", "WIRE_DTYPES"]
@@ -27,6 +29,8 @@ class TorchResiduals:
 
     config: Any
     auto: Any
+    #: ratio="auto" may choose fp16: every PyTorch front end sends it (torch.half_route)
+    _sends_half = True
 
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         """What the values of ``tensor``'s payload travel as (TopKConfig.value_dtype, or its own dtype)."""
@@ -104,6 +108,29 @@ class TorchResiduals:
         else:
             record.nonfinite_steps += 1
 
+    def _residual_for(self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, world_size: int,
+                      op_name: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The residual (and momentum buffer) of ``name``, rescaled first if it was built under another number of
+        workers (policy.residual_world_factor), so that the mass it owes the model stays the same."""
+        residual, momentum_buffer = self._state_buffers(name, record, tensor)
+        world_factor = residual_world_factor(op_name, record.world_size, world_size)
+        if world_factor != 1.0:  # workers left or joined since this residual was built
+            residual.mul_(world_factor)
+        record.world_size = world_size
+        return residual, momentum_buffer
+
+    def _send_half(self, name: str, record: TensorRecord[torch.Tensor], flat: torch.Tensor, scale: float,
+                   world_size: int, op_name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ratio="auto"'s fp16 route for one tensor this step (torch.half_route): its float16 values for a
+        sum-allreduce (into ``out`` when given), the residual left holding what float16 did not carry; counts its
+        bytes and non-finite step."""
+        residual, _ = self._residual_for(name, record, flat, world_size, op_name)
+        half, nonfinite = to_half(flat, residual, scale, world_size, out)
+        record.nonfinite_steps += nonfinite
+        record.bytes_sent += half.numel() * half.element_size()
+        record.exchange = DENSE_HALF
+        return half
+
     def _select(
         self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, flat: torch.Tensor, k: int,
         world_size: int, op_name: str,
@@ -132,11 +159,7 @@ class TorchResiduals:
         layout, wire dtype, backend); the residual rescaled if the number of workers changed. A bucket passes
         the ``layout`` its plan holds and ``how`` (wire dtype, backend) found once for all its members: the same
         values, without recomputing them per member and step."""
-        residual, momentum_buffer = self._state_buffers(name, record, tensor)
-        world_factor = residual_world_factor(op_name, record.world_size, world_size)
-        if world_factor != 1.0:  # workers left or joined since this residual was built
-            residual.mul_(world_factor)
-        record.world_size = world_size
+        residual, momentum_buffer = self._residual_for(name, record, tensor, world_size, op_name)
         wire_dtype, backend = how if how is not None else (self._wire_dtype(tensor), self._backend(tensor))
         if layout is None:
             layout = tensor_payload_layout(self.config, k, flat.numel(), dtype_token(wire_dtype).element_size())

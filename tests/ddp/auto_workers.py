@@ -25,7 +25,17 @@ SCRIPTS: Dict[str, Callable[[int], Callable[[int], Any]]] = {
                                                                                           auto_links.much_slower_link),
     "slow_then_sparse_slower": lambda step: (auto_links.slow_link if step < 2 * FIRST_DECISION
                                              else auto_links.sparse_slower_than_dense),
+    # fp16 from the first decision (dense's communication half hidden), dense at the second (a fast link), then the
+    # 20x slower link (fp16 again for this model)
+    "half": lambda step: {FIRST_DECISION: auto_links.half_link,
+                          2 * FIRST_DECISION: auto_links.fast_link}.get(step, auto_links.much_slower_link),
 }
+
+
+def offer_half(state: TopKEFState, script: Optional[str]) -> None:
+    """fp16 is among auto's choices only under the "half" script: the others script dense <-> sparse sequences,
+    which a link where fp16 is soonest would turn into fp16 instead of dense."""
+    state.auto.half = script == "half"
 
 
 def scripted(name: Optional[str], rank: int = 0) -> List[int]:
@@ -69,6 +79,7 @@ def update_invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
     model = make_model(torch.float64)
     state = TopKEFState(ratio="auto", min_numel=64, auto_every=FIRST_DECISION, target="update",
                         named_parameters=model.named_parameters(), bucket_bytes=20_000)
+    offer_half(state, script)
     ddp = ddp_of(model, state, bucket_cap_mb=0.3)
     opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
     log, ratios, sent = [], [], []
@@ -89,6 +100,7 @@ def invariant(rank: int, world_size: int, script: str, micro_batches: int = 1,
     decided = scripted(script)
     model = make_model(torch.float64)
     state = TopKEFState(ratio="auto", min_numel=64, auto_every=FIRST_DECISION)
+    offer_half(state, script)
     log: List[Dict[str, Any]] = []
     ddp = DDP(model, bucket_cap_mb=0.3, **(ddp_options or {}))
     ddp.register_comm_hook(state, recording_hook(log))
@@ -114,6 +126,7 @@ def resume(rank: int, world_size: int, target: str = "gradient") -> Dict[str, An
         model = make_model()
         state = TopKEFState(ratio="auto", min_numel=64, auto_every=5, named_parameters=model.named_parameters(),
                             target=target)
+        offer_half(state, None)
         opt = torch.optim.Adam(model.parameters(), 1e-2)
         opt = opt if target == "gradient" else update_mode_optimizer(opt, state)
         return model, state, ddp_of(model, state, bucket_cap_mb=0.3), opt

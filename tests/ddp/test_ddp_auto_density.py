@@ -59,6 +59,26 @@ def test_error_feedback_stays_exact_through_every_change_of_density(world_size, 
     assert all(len(bytes_) == 1 for bytes_ in by_ratio.values()), by_ratio  # the density in force decides the bytes
 
 
+def test_fp16_keeps_error_feedback_exact_halves_the_bytes_and_hands_over_to_dense_and_back():
+    """ratio="auto"'s fp16 (dense, values in float16, the rounding in the residual): per bucket call and member the
+    invariant holds within the float16 sum's own rounding, through dense -> fp16 -> dense (the residual's
+    leftovers go with the first dense step) -> fp16; parameters identical on every rank; half dense's bytes."""
+    world_size = 2
+    results = harness.run(auto_workers.invariant, world_size, "half")
+    assert _check_invariant(results, world_size) > 0  # fp16 steps were checked
+    assert all(r["same"] for r in results)
+    ratios = results[0]["ratios"]
+    assert all(r["ratios"] == ratios for r in results)
+    assert ratios[:FIRST_DECISION] == [None] * FIRST_DECISION
+    assert ratios[FIRST_DECISION] == "fp16" and ratios[2 * FIRST_DECISION] is None and ratios[-1] == "fp16", ratios
+    sent, dense = results[0]["sent"], results[0]["sent"][0]
+    for i, ratio in enumerate(ratios):
+        assert sent[i] == (dense if ratio is None else dense // 4), (i, ratio)  # float64 model: 8 -> 2 bytes
+    stats = results[0]["stats"]
+    assert set(stats["exchanges"]) == {"dense_fp16"} and stats["exchanges"]["dense_fp16"] > 0
+    assert stats["buckets"]["compressed"] == 0  # sent whole in float16, not compressed
+
+
 def test_update_mode_keeps_error_feedback_exact_through_every_change_of_density():
     """Update mode (Adam), the density decided at the optimizer's step: per step and compressed update, the ranks'
     residuals + P x applied == their old residuals + local updates, through dense -> sparse -> dense -> sparse (a

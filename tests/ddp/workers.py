@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from horovod_topk.core.autodensity import HALF
 from horovod_topk.torch.ddp import TopKEFState, gather_state, restore_state, topk_ef_hook
 
 
@@ -110,7 +111,10 @@ def recording_hook(log: List[Dict[str, Any]]):
             entry["after"] = [residual(state, n, s, out.dtype) for n, s in zip(names, sizes)]
             return out
 
-        return topk_ef_hook(state, bucket).then(done)
+        future = topk_ef_hook(state, bucket)
+        # ratio="auto"'s fp16 in force for this bucket (decided, if due, at the step's first bucket, in the call)
+        entry["half"] = state.auto is not None and state.auto.ratio == HALF
+        return future.then(done)
 
     return hook
 

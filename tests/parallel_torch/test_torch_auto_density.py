@@ -14,7 +14,9 @@ from torch import nn
 from horovod_topk.core import RankMismatch
 from horovod_topk.torch import TopKEF, auto_density
 
-from tests.auto_links import FIRST_DECISION, much_slower_link, script, slow_link, sparse_slower_than_dense
+from horovod_topk.core.autodensity import HALF
+from tests.auto_links import (FIRST_DECISION, fast_link, half_link, much_slower_link, script, slow_link,
+                              sparse_slower_than_dense)
 
 from .torch_harness import batch, differs
 
@@ -83,6 +85,7 @@ def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch)
     measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
+    compressor.auto.half = False  # the script's sequence is dense <-> sparse; fp16 has its own test below
     raw, sent, ratios = {}, {}, []
     torch.manual_seed(0)
     model = Model()
@@ -130,6 +133,7 @@ def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
 def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypatch):
     script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=5)
+    compressor.auto.half = False  # back to dense at the end, not fp16
     ratios = []
     params, _ = run(compressor, range(3 * FIRST_DECISION), optimizer="adam",
                     on_step=lambda step, m, o, c, s: ratios.append(c.auto.ratio))
@@ -138,6 +142,52 @@ def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypa
     assert torch.equal(everyone[0], everyone[1])
     assert ratios[0] is None and any(r is not None for r in ratios) and ratios[-1] is None, ratios
     assert compressor.stats()["exchanges"]  # some updates travelled compressed
+
+
+def test_fp16_keeps_error_feedback_exact_and_parameters_identical_through_its_changes(monkeypatch):
+    """ratio="auto"'s fp16 over Horovod: dense -> fp16 -> dense -> sparse. Per tensor, over all ranks and steps:
+    sum of raw gradients == P * sum of averaged gradients + sum of residuals, within the float16 sums' own rounding
+    on fp16 steps (each rank's rounding is in its residual); identical parameters; fp16 sends 2 bytes an entry."""
+    decided = script(monkeypatch, auto_density,
+                     lambda step: {FIRST_DECISION: half_link, 2 * FIRST_DECISION: fast_link}.get(step, much_slower_link))
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
+    raw, sent, bound, ratios, step_bytes = {}, {}, {}, [], []
+    torch.manual_seed(0)
+    model = Model()
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: raw.__setitem__(name, raw.get(name, 0) + g.detach().clone()))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+    world = hvd.size()
+    for step in range(4 * FIRST_DECISION):
+        before = compressor.stats()["bytes_sent"]
+        opt.zero_grad()
+        x, _, y = batch(step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        half = compressor.auto.ratio == HALF
+        for name, p in model.named_parameters():
+            sent[name] = sent.get(name, 0) + p.grad.detach().clone()
+            # the float16 sum's rounding: at most P - 1 roundings of 2**-11, in units of P x the average
+            bound[name] = bound.get(name, 0) + (world * (world - 1) * 2 ** -10 * p.grad.detach().abs() + 2 ** -22
+                                                if half else 0)
+        with opt.skip_synchronize():
+            opt.step()
+        ratios.append(compressor.auto.ratio)
+        step_bytes.append(compressor.stats()["bytes_sent"] - before)
+    for name, record in sorted(compressor.registry.records.items()):
+        residual = record.residual if record.residual is not None else torch.zeros(record.numel)
+        total_raw = hvd.allreduce(raw[name].reshape(-1), op=hvd.Sum, name=f"auto.half.raw.{name}")
+        total_residual = hvd.allreduce(residual, op=hvd.Sum, name=f"auto.half.res.{name}")
+        gap = (world * sent[name].reshape(-1) + total_residual - total_raw).abs()
+        assert bool((gap <= torch.as_tensor(bound[name]).reshape(-1) + 1e-5).all()), name
+    assert ratios[FIRST_DECISION] == HALF and ratios[2 * FIRST_DECISION] is None, (ratios, decided)
+    assert isinstance(ratios[-1], float), ratios  # sparse at the end
+    dense_bytes = step_bytes[0]
+    assert all(b == dense_bytes // 2 for b, r in zip(step_bytes, ratios) if r == HALF), (step_bytes, ratios)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = hvd.allgather(flat.unsqueeze(0), name="auto.half.params")
+    assert torch.equal(everyone[0], everyone[1])
 
 
 def test_a_different_budget_on_one_rank_is_named_instead_of_hanging():

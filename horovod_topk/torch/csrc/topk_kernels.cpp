@@ -514,11 +514,13 @@ void decompress(torch::Tensor gathered, int64_t world, int64_t k, int64_t values
 
 }  // namespace
 
-// The sparse allreduce's kernels (sparse_rounds.cpp).
+// The sparse allreduce's kernels (sparse_rounds.cpp) and the fp16 route's (half_route.cpp).
 void define_sparse_rounds(pybind11::module_& m);
+void define_half_route(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
   m.def("decompress", &decompress, "the gradient buffer written once: zeros plus the P payloads, scaled");
   define_sparse_rounds(m);
+  define_half_route(m);
 }
