@@ -21,6 +21,7 @@ from ..core.bucket_plan import BucketPlan
 from ..core.exchange import DENSE_HALF, SPARSE_ALLREDUCE
 from ..core.pending import reduction_scale
 from .exchange import ExchangeRequest
+from .half_route import to_half
 from .bucket_select import BucketSelection
 from .sparse_allreduce import SparseRounds
 from .steady_bucket import SteadyBucket, gather_ranges, kept, scatter_ranges
@@ -110,17 +111,38 @@ class BucketStep:
         self.sparse = SparseRounds(sparse) if sparse else None
         if plan.halved:  # ratio="auto"'s fp16: each member's float16 values back to back, its rounding in its residual
             self.half = torch.empty(sum(m.numel for m in plan.halved), dtype=torch.float16, device=buffer.device)
-            at = 0
-            for member in plan.halved:
-                record = state.registry.records[member.name]
-                state._send_half(member.name, record, buffer[member.offset:member.end], self.scale, world_size,
-                                 "average", self.half[at:at + member.numel])
-                at += member.numel
+            self._send_half(state, plan, buffer, world_size)
         dense = plan.dense
         if len(dense) == len(plan.members):
             self.dense = buffer.div_(world_size)
         elif dense:
             self.dense = gather_ranges(buffer, [(m.offset, m.end) for m in dense], world_size)
+
+    def _send_half(self, state: Any, plan: BucketPlan, buffer: torch.Tensor, world_size: int) -> None:
+        """The fp16 members into :attr:`half` (torch.half_route). On the CPU member by member (one pass of the fused
+        kernel each). Elsewhere, when they lie end to end, as one tensor: their residuals joined, one run of the
+        torch operations over the bucket, the residuals copied back -- about ten launches per bucket instead of
+        eight per member (ResNet-50's 161 tensors: 12 ms of the host's time per step on an H100). A non-finite
+        gradient there is counted for every member of the bucket (which member had it is not read: no host wait)."""
+        members = plan.halved
+        end_to_end = all(a.end == b.offset for a, b in zip(members, members[1:]))
+        if buffer.device.type != "cpu" and len(members) > 1 and end_to_end:
+            records = [state.registry.records[m.name] for m in members]
+            residuals = [state._residual_for(m.name, record, buffer[m.offset:m.end], world_size, "average")[0]
+                         for m, record in zip(members, records)]
+            joined = torch.cat(residuals)
+            _, nonfinite = to_half(buffer[members[0].offset:members[-1].end], joined, self.scale, world_size,
+                                   self.half)
+            torch._foreach_copy_(residuals, list(joined.split([m.numel for m in members])))
+            for member, record in zip(members, records):
+                state._sent_half(record, member.numel, nonfinite)
+            return
+        at = 0
+        for member in members:
+            record = state.registry.records[member.name]
+            state._send_half(member.name, record, buffer[member.offset:member.end], self.scale, world_size,
+                             "average", self.half[at:at + member.numel])
+            at += member.numel
 
     def gathered_buffer(self) -> torch.Tensor:
         """Where the allgather of every rank's :attr:`payload` should land (a buffer the selection may keep, so

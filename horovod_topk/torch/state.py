@@ -126,10 +126,15 @@ class TorchResiduals:
         bytes and non-finite step."""
         residual, _ = self._residual_for(name, record, flat, world_size, op_name)
         half, nonfinite = to_half(flat, residual, scale, world_size, out)
-        record.nonfinite_steps += nonfinite
-        record.bytes_sent += half.numel() * half.element_size()
-        record.exchange = DENSE_HALF
+        self._sent_half(record, half.numel(), nonfinite)
         return half
+
+    def _sent_half(self, record: TensorRecord[torch.Tensor], numel: int, nonfinite: Any) -> None:
+        """Count one fp16 step of ``record``'s tensor: 2 bytes an entry, and ``nonfinite`` (0/1 or a device
+        tensor) in its non-finite steps."""
+        record.nonfinite_steps += nonfinite
+        record.bytes_sent += 2 * numel
+        record.exchange = DENSE_HALF
 
     def _select(
         self, name: str, record: TensorRecord[torch.Tensor], tensor: torch.Tensor, flat: torch.Tensor, k: int,

@@ -40,7 +40,11 @@ def _step(ddp: DDP, opt: Any, x: torch.Tensor, y: torch.Tensor, count_waits: boo
 
 def _train(device: str, group: Any, options: Dict[str, Any], steps: int, optimizer: str) -> Dict[str, Any]:
     model = make_model().to(device)
+    options = dict(options)
+    hold = options.pop("hold", None)
     state = TopKEFState(named_parameters=model.named_parameters(), process_group=group, **options)
+    if hold is not None:  # ratio="auto" held at one choice (no decision ever due)
+        state.auto.half, state.auto.ratio, state.auto.next_decision = True, hold, 1 << 62
     ddp = DDP(model, process_group=group, bucket_cap_mb=0.3)
     ddp.register_comm_hook(state, topk_ef_hook)
     opt = torch.optim.Adam(model.parameters(), 1e-2) if optimizer == "adam" else \
