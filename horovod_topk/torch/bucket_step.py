@@ -85,11 +85,11 @@ class BucketStep:
             state._guard_spike(record, flat)
             record.steps += 1
             record.bytes_dense += member.numel * itemsize
-            if not member.compressed and member.plan.exchange != DENSE_HALF:
+            if member.plan.exchange == DENSE_HALF:  # sent below, with the others in float16
+                continue
+            if not member.compressed:
                 record.bytes_sent += member.numel * itemsize
                 state._send_leftovers(record, flat)
-                continue
-            if member.plan.exchange == DENSE_HALF:  # sent below, with the others in float16
                 continue
             assert member.plan.k is not None
             record.exchange = member.plan.exchange

@@ -324,6 +324,9 @@ def test_check_predicts_an_auto_row_as_the_density_it_chose_and_compares_what_au
                   "latency_s": 0.001}},
         {"workers": 2, "rate": "1gbit", "rate_bps": 1e9, "method": "auto", "t_compute_s": 0.02, "t_step_s": 0.05,
          "auto": {"ratio": None, "predicted_s": {"dense": 0.05}, "bandwidth_bps": 8e8, "latency_s": 0.001}},
+        {"workers": 2, "rate": "1gbit", "rate_bps": 1e9, "method": "auto", "t_compute_s": 0.02, "t_step_s": 0.045,
+         "auto": {"ratio": "fp16", "predicted_s": {"dense": 0.05, "fp16": 0.044}, "bandwidth_bps": 8e8,
+                  "latency_s": 0.001}},
     ]}
     lines = advise.check(data, Link(1.0, 0.75, 0.0), TopKConfig(), overlap=0.0, t_compress_s=0.0,
                          sparse_available=True)
@@ -335,3 +338,6 @@ def test_check_predicts_an_auto_row_as_the_density_it_chose_and_compares_what_au
     assert "auto chose 0.01; probed 800 Mbit/s = 0.80 x nominal" in text
     assert "its prediction 35.0 ms vs measured 40.0 ms (0.88)" in text
     assert "auto chose dense" in text
+    half = predict("fp16", [("w", 1_000_000), ("b", 1000)], 2, Link(1e9, 0.75), 0.02)
+    assert f"{half.t_step_s * 1e3:.1f}" in lines[6], lines  # an fp16 choice is predicted as fp16
+    assert "auto chose fp16" in text and "its prediction 44.0 ms vs measured 45.0 ms" in text

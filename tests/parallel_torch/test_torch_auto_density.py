@@ -15,7 +15,7 @@ from horovod_topk.core import RankMismatch
 from horovod_topk.torch import TopKEF, auto_density
 
 from horovod_topk.core.autodensity import HALF
-from tests.auto_links import (FIRST_DECISION, fast_link, half_link, much_slower_link, script, slow_link,
+from tests.auto_links import (FIRST_DECISION, fast_link, much_slower_link, script, slow_link,
                               sparse_slower_than_dense)
 
 from .torch_harness import batch, differs
@@ -69,6 +69,27 @@ def test_measured_decisions_are_the_same_on_every_rank_and_parameters_stay_ident
     assert history[:FIRST_DECISION] == [None] * FIRST_DECISION  # dense while the first window is measured
 
 
+def recorded(compressor, steps, after_synchronize):
+    """Train Model with SGD through ``compressor``, calling ``after_synchronize(model)`` once each step's averaged
+    gradients are in ``.grad``; returns (each parameter's raw local gradients summed over the steps, the model)."""
+    raw = {}
+    torch.manual_seed(0)
+    model = Model()
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: raw.__setitem__(name, raw.get(name, 0) + g.detach().clone()))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=compressor)
+    for step in steps:
+        opt.zero_grad()
+        x, _, y = batch(step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        after_synchronize(model)
+        with opt.skip_synchronize():
+            opt.step()
+    return raw, model
+
+
 def test_parameters_are_bit_identical_on_every_rank_through_changes(monkeypatch):
     script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
@@ -86,23 +107,14 @@ def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch)
     decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
     compressor.auto.half = False  # the script's sequence is dense <-> sparse; fp16 has its own test below
-    raw, sent, ratios = {}, {}, []
-    torch.manual_seed(0)
-    model = Model()
-    for name, p in model.named_parameters():
-        p.register_hook(lambda g, name=name: raw.__setitem__(name, raw.get(name, 0) + g.detach().clone()))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters(), compression=compressor)
-    for step in range(4 * FIRST_DECISION):
-        opt.zero_grad()
-        x, _, y = batch(step)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.synchronize()
+    sent, ratios = {}, []
+
+    def record(model):
         for name, p in model.named_parameters():
             sent[name] = sent.get(name, 0) + p.grad.detach().clone()
-        with opt.skip_synchronize():
-            opt.step()
         ratios.append(compressor.auto.ratio)
+
+    raw, _ = recorded(compressor, range(4 * FIRST_DECISION), record)
     for name, record in sorted(compressor.registry.records.items()):
         residual = record.residual if record.residual is not None else torch.zeros(record.numel)
         total_raw = hvd.allreduce(raw[name].reshape(-1), op=hvd.Sum, name=f"auto.ef.raw.{name}")
@@ -130,61 +142,62 @@ def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
     assert differs(straight, resumed) == []
 
 
-def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypatch):
-    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
-    compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=5)
-    compressor.auto.half = False  # back to dense at the end, not fp16
+@pytest.mark.parametrize("half", [False, True], ids=["dense-sparse", "fp16"])
+def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypatch, half):
+    """Update mode (Adam): the updates follow the density in force (without fp16 among the choices: sparse, then
+    back to dense; with it: sparse, fp16, dense); every rank holds the same parameters."""
+    if half:
+        links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+        script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
+    else:
+        script(monkeypatch, auto_density,
+               lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=FIRST_DECISION if half else 5)
+    compressor.auto.half = half
     ratios = []
-    params, _ = run(compressor, range(3 * FIRST_DECISION), optimizer="adam",
+    params, _ = run(compressor, range((4 if half else 3) * FIRST_DECISION), optimizer="adam",
                     on_step=lambda step, m, o, c, s: ratios.append(c.auto.ratio))
     flat = torch.cat([params[n].reshape(-1) for n in sorted(params)])
-    everyone = hvd.allgather(flat.unsqueeze(0), name="auto.update.params")
+    everyone = hvd.allgather(flat.unsqueeze(0), name=f"auto.update.params.{half}")
     assert torch.equal(everyone[0], everyone[1])
-    assert ratios[0] is None and any(r is not None for r in ratios) and ratios[-1] is None, ratios
-    assert compressor.stats()["exchanges"]  # some updates travelled compressed
+    assert ratios[0] is None and any(isinstance(r, float) for r in ratios) and ratios[-1] is None, ratios
+    assert (HALF in ratios) == half, ratios
+    exchanges = compressor.stats()["exchanges"]
+    assert exchanges and (exchanges.get("dense_fp16", 0) > 0) == half, exchanges
 
 
 def test_fp16_keeps_error_feedback_exact_and_parameters_identical_through_its_changes(monkeypatch):
-    """ratio="auto"'s fp16 over Horovod: dense -> fp16 -> dense -> sparse. Per tensor, over all ranks and steps:
-    sum of raw gradients == P * sum of averaged gradients + sum of residuals, within the float16 sums' own rounding
-    on fp16 steps (each rank's rounding is in its residual); identical parameters; fp16 sends 2 bytes an entry."""
-    decided = script(monkeypatch, auto_density,
-                     lambda step: {FIRST_DECISION: half_link, 2 * FIRST_DECISION: fast_link}.get(step, much_slower_link))
+    """ratio="auto"'s fp16 over Horovod: dense -> sparse -> fp16 (the sparse residuals' leftovers go out in
+    float16) -> dense (fp16's residual goes out dense). Per tensor, over all ranks and steps: sum of raw gradients
+    == P * sum of averaged gradients + sum of residuals, within the float16 sums' own rounding on fp16 steps (each
+    rank's rounding is in its residual); identical parameters; fp16 sends 2 bytes an entry."""
+    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    decided = script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
-    raw, sent, bound, ratios, step_bytes = {}, {}, {}, [], []
-    torch.manual_seed(0)
-    model = Model()
-    for name, p in model.named_parameters():
-        p.register_hook(lambda g, name=name: raw.__setitem__(name, raw.get(name, 0) + g.detach().clone()))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                   named_parameters=model.named_parameters(), compression=compressor)
+    sent, bound, ratios, step_bytes = {}, {}, [], [0]
     world = hvd.size()
-    for step in range(4 * FIRST_DECISION):
-        before = compressor.stats()["bytes_sent"]
-        opt.zero_grad()
-        x, _, y = batch(step)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.synchronize()
+
+    def record(model):
         half = compressor.auto.ratio == HALF
         for name, p in model.named_parameters():
             sent[name] = sent.get(name, 0) + p.grad.detach().clone()
             # the float16 sum's rounding: at most P - 1 roundings of 2**-11, in units of P x the average
             bound[name] = bound.get(name, 0) + (world * (world - 1) * 2 ** -10 * p.grad.detach().abs() + 2 ** -22
                                                 if half else 0)
-        with opt.skip_synchronize():
-            opt.step()
         ratios.append(compressor.auto.ratio)
-        step_bytes.append(compressor.stats()["bytes_sent"] - before)
+        step_bytes.append(compressor.stats()["bytes_sent"])
+
+    raw, model = recorded(compressor, range(4 * FIRST_DECISION), record)
     for name, record in sorted(compressor.registry.records.items()):
         residual = record.residual if record.residual is not None else torch.zeros(record.numel)
         total_raw = hvd.allreduce(raw[name].reshape(-1), op=hvd.Sum, name=f"auto.half.raw.{name}")
         total_residual = hvd.allreduce(residual, op=hvd.Sum, name=f"auto.half.res.{name}")
         gap = (world * sent[name].reshape(-1) + total_residual - total_raw).abs()
         assert bool((gap <= torch.as_tensor(bound[name]).reshape(-1) + 1e-5).all()), name
-    assert ratios[FIRST_DECISION] == HALF and ratios[2 * FIRST_DECISION] is None, (ratios, decided)
-    assert isinstance(ratios[-1], float), ratios  # sparse at the end
-    dense_bytes = step_bytes[0]
-    assert all(b == dense_bytes // 2 for b, r in zip(step_bytes, ratios) if r == HALF), (step_bytes, ratios)
+    assert isinstance(ratios[FIRST_DECISION], float), (ratios, decided)
+    assert ratios[2 * FIRST_DECISION] == HALF and ratios[-1] is None, (ratios, decided)
+    per_step = [b - a for a, b in zip(step_bytes, step_bytes[1:])]
+    assert all(b == per_step[0] // 2 for b, r in zip(per_step, ratios) if r == HALF), (per_step, ratios)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = hvd.allgather(flat.unsqueeze(0), name="auto.half.params")
     assert torch.equal(everyone[0], everyone[1])
