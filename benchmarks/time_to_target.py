@@ -22,7 +22,12 @@ ratio="auto" decides from the link, so its runs are on the test bed at each rate
 auto@<rate>) and their time to the target is measured in the run. ``--bed-methods dense fp16 auto`` takes dense's
 and fp16's the same way (convergence.py --methods dense@<rate> fp16@<rate>): one clock for every row, where the
 product with another job's step time differs by the bed's job-to-job spread (~10%); "vs dense" is then against
-dense's run on the bed.
+dense's run on the bed. When every method ran on the bed, no bench_e2e JSON is needed: ``--e2e`` may be left out
+(``--methods`` and ``--rates`` then say what to show), and ``--target-from dense@100mbit`` takes the target from
+dense's runs on the bed (a dense step is the same arithmetic on any link: the same losses as on localhost).
+
+    python benchmarks/time_to_target.py --task charlm --workers 4 --convergence results/conv-p4-half \
+        --methods dense fp16 auto --rates 100mbit --bed-methods dense fp16 auto --target-from dense@100mbit
 """
 from __future__ import annotations
 
@@ -51,7 +56,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--budget", default="short", choices=["short", "converged"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--e2e", required=True, help="JSON written by benchmarks/bench_e2e.py --json for this model")
+    parser.add_argument("--e2e", help="JSON written by benchmarks/bench_e2e.py --json for this model (needed unless "
+                                      "every method is a --bed-methods one)")
+    parser.add_argument("--target-from", default="dense",
+                        help="the runs whose final loss sets the target (default: dense's on localhost)")
     parser.add_argument("--convergence", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--methods", nargs="+", help="only these methods of the e2e JSON (dense is needed)")
     parser.add_argument("--rates", nargs="+", help="only these rates of the e2e JSON (e.g. 100mbit)")
@@ -60,7 +68,15 @@ def main() -> None:
     parser.add_argument("--steps-per-epoch", type=int,
                         help="digits: optimizer steps per epoch at this P (default: 1437 training images / P / 32)")
     args = parser.parse_args()
-    e2e = json.loads(Path(args.e2e).read_text())
+    if args.e2e:
+        e2e = json.loads(Path(args.e2e).read_text())
+    elif args.methods and args.rates and set(args.methods) <= set(args.bed_methods):
+        # every row timed in its own run on the bed: no step times from another job
+        e2e = {"model": args.task, "rows": [{"workers": args.workers, "rate": rate, "method": method,
+                                             "t_step_s": float("nan")} for rate in args.rates
+                                            for method in args.methods]}
+    else:
+        parser.error("--e2e is needed unless --methods and --rates are given and every method is in --bed-methods")
     rows = [r for r in e2e["rows"] if r["workers"] == args.workers and (not args.rates or r["rate"] in args.rates)]
     if not rows:
         parser.error(f"{args.e2e} has no rows for {args.workers} workers")
@@ -70,7 +86,7 @@ def main() -> None:
     runs: Dict[str, List[dict]] = {}
     bed = [m for m in methods if m in args.bed_methods]
     # dense's runs on localhost set the target (one per table, whatever the link); the bed's runs are timed
-    wanted = list(dict.fromkeys(["dense"] + [m for m in methods if m not in bed]
+    wanted = list(dict.fromkeys([args.target_from] + [m for m in methods if m not in bed]
                                 + [f"{m}@{rate}" for m in bed for rate in rates]))
     for method in wanted:
         paths = [conv / result_name(args.task, method, s, args.budget, args.workers) for s in args.seeds]
@@ -82,13 +98,13 @@ def main() -> None:
 
     if args.task == "digits":
         # digits_data's 80% split of 1797 images, split over the workers, batch 32 (convergence.py records it too)
-        spe = args.steps_per_epoch or runs["dense"][0].get("steps_per_epoch") or (1437 // args.workers) // 32
-        target = 1.01 * sum(r["curve"][-1] for r in runs["dense"]) / len(runs["dense"])
+        spe = args.steps_per_epoch or runs[args.target_from][0].get("steps_per_epoch") or (1437 // args.workers) // 32
+        target = 1.01 * sum(r["curve"][-1] for r in runs[args.target_from]) / len(runs[args.target_from])
         reach = {m: [digits_steps_to_target(r, target, spe) for r in rs] for m, rs in runs.items()}
-        limit = len(runs["dense"][0]["curve"]) * spe
+        limit = len(runs[args.target_from][0]["curve"]) * spe
         what = f"training loss <= {target:.4f} (1.01 x dense's final, mean over seeds)"
     else:
-        target = 1.01 * sum(r["final"] for r in runs["dense"]) / len(runs["dense"])
+        target = 1.01 * sum(r["final"] for r in runs[args.target_from]) / len(runs[args.target_from])
         reach = {m: [steps_to_target(r, target) for r in rs] for m, rs in runs.items()}
         limit = int(OVERRUN * LM_BUDGETS[args.task][args.budget])
         what = f"validation loss <= {target:.4f} (1.01 x dense's final, mean over seeds)"
@@ -100,7 +116,8 @@ def main() -> None:
         times = [r["train_seconds"][r["evals"].index(x)] for r, x in zip(runs[key], reach[key])]
         return sum(times) / len(times)
 
-    print(f"{args.task}, {args.workers} workers, target {what}; step times from {args.e2e} ({e2e['model']})"
+    print(f"{args.task}, {args.workers} workers, target {what} ({args.target_from}'s runs); step times from "
+          f"{args.e2e or 'the runs themselves'} ({e2e['model']})"
           + (f"; {', '.join(bed)}: runs on the test bed, timed in the run" if bed else ""))
     print("| bandwidth | method | steps to target (per seed) | step time (ms) | time to target | vs dense |")
     print("|---|---|---|---|---|---|")

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from horovod_topk.core import RankMismatch
-from horovod_topk.core.autodensity import auto_schedule
+from horovod_topk.core.autodensity import auto_schedule, choice_index
 from horovod_topk.core.policy import tensor_payload_layout
 from horovod_topk.tensorflow import TopKEF, auto_density
 
@@ -93,7 +93,7 @@ def test_each_density_sends_its_k_and_error_feedback_stays_exact_through_every_c
             numel = int(np.prod(g.shape))
             schedule = auto_schedule(key, numel, True, compressor.config, world_size=hvd.size(), value_itemsize=4,
                                      grad_itemsize=4, sparse_available=True)
-            position = [None, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001].index(ratio)
+            position = choice_index(ratio)
             k = schedule.count[position] if schedule.routes[schedule.phase[position]] != "dense" else None
             r0, sent_before = previous.get(name, (np.zeros(numel, np.float32), 0))
             r1, sent_bytes = record.residual.numpy().copy(), record.bytes_sent
