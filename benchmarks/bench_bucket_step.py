@@ -14,10 +14,11 @@ ResNet-50, or a GPT-2-small-sized decoder from torch.nn) on one fixed batch, for
 compute can hide what the hook overlaps. Timed: ``loss.backward()`` to the end of DDP's reduction (on a GPU, with
 ``torch.cuda.synchronize()`` after it), median of ``--repeat`` steps after 3 warm-up steps. Methods, interleaved
 step by step so that the machine's noise hits them alike:
-``dense`` (DDP's allreduce), ``topk`` (TopKEFState at --ratio: on a GPU the bucket's allgather members selected by one
-run of the grouped kernels, torch.bucket_select), ``topk-alone`` (the same, each member selected on its own; on the
-CPU the same as ``topk``: the fused kernel runs per member there), ``topk-graphs`` (``topk`` with each bucket's
-selection recorded once as a CUDA graph and replayed: HOROVOD_TOPK_CUDA_GRAPHS=1, torch.group_graphs; GPU only),
+``dense`` (DDP's allreduce), ``topk`` (TopKEFState at --ratio, as a user gets it: on a GPU the bucket's allgather
+members selected by one run of the grouped kernels, torch.bucket_select, recorded once as a CUDA graph and replayed,
+torch.group_graphs), ``topk-eager`` (the same without graphs: HOROVOD_TOPK_CUDA_GRAPHS=0), ``topk-graphs`` (graphs
+asked for explicitly, HOROVOD_TOPK_CUDA_GRAPHS=1: on a GPU the same as ``topk``), ``topk-alone`` (each member
+selected on its own, no graphs; on the CPU the same as ``topk``: the fused kernel runs per member there),
 ``topk-bucket-graphs`` (a steady bucket's whole step, its NCCL collectives included, one graph replayed on a side
 stream: HOROVOD_TOPK_CUDA_GRAPHS=bucket, torch.bucket_graph; GPU only).
 On request ``auto`` (ratio="auto": with one worker nothing travels, so it stays dense after its first decision at
@@ -50,7 +51,11 @@ from horovod_topk.core.autodensity import HALF  # noqa: E402
 from horovod_topk.torch import bucket_select, group_graphs  # noqa: E402
 from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook  # noqa: E402
 
-METHODS = ["dense", "topk", "topk-alone", "topk-graphs", "topk-bucket-graphs"]
+#: HOROVOD_TOPK_CUDA_GRAPHS per method; the rest run with it unset, as a user's job does.
+GRAPHS = {"topk-eager": "0", "topk-alone": "0", "topk-graphs": "1", "topk-bucket-graphs": "bucket"}
+METHODS = ["dense", "topk", "topk-eager", "topk-alone", "topk-graphs", "topk-bucket-graphs"]
+#: What a GPU run times when no --methods are given (topk-graphs is topk there).
+GPU_METHODS = ["dense", "topk-eager", "topk", "topk-alone", "topk-bucket-graphs"]
 
 
 class Shapes(torch.nn.Module):
@@ -151,7 +156,7 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
     for method, ddp in models.items():
         def step(ddp: DDP = ddp, alone: bool = method == "topk-alone", batch: tuple = inputs[method][0],
                  loss_of: Callable = inputs[method][1],
-                 graphs: str = {"topk-graphs": "1", "topk-bucket-graphs": "bucket"}.get(method, "0")) -> None:
+                 graphs: str = GRAPHS.get(method, "")) -> None:
             bucket_select.groupable = (lambda *args: False) if alone else groupable
             os.environ[group_graphs.ENV] = graphs
             try:
@@ -174,9 +179,11 @@ def measure(model_name: str, device: torch.device, ratio: float, repeat: int, me
                 if name in hook_ms:
                     hook_per_step[name].append(sum(hook_ms[name]))
     result = {name: statistics.median(values) for name, values in times.items()}
-    if "topk-graphs" in states:  # the graphs did replay (recording failed nowhere)
-        result["replays"] = states["topk-graphs"]._group_selection().replays()
-        result["finish_replays"] = states["topk-graphs"]._group_selection().finish_replays()
+    graphed = [m for m in ("topk-graphs", "topk") if m in states and device.type == "cuda"]
+    if graphed:  # the graphs did replay (recording failed nowhere)
+        result["replayed_by"] = graphed[0]
+        result["replays"] = states[graphed[0]]._group_selection().replays()
+        result["finish_replays"] = states[graphed[0]]._group_selection().finish_replays()
     if "topk-bucket-graphs" in states:
         result["whole_replays"] = whole_replays(states["topk-bucket-graphs"])
     for method, per_step in hook_per_step.items():  # the host's time inside the hook (planning, selection, launches)
@@ -317,7 +324,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    methods = args.methods or (METHODS if device.type == "cuda" else ["dense", "topk"])
+    methods = args.methods or (GPU_METHODS if device.type == "cuda" else ["dense", "topk"])
     if {"topk-graphs", "topk-bucket-graphs"} & set(methods) and device.type != "cuda":
         parser.error("topk-graphs and topk-bucket-graphs record CUDA graphs: they need --device cuda")
     torch.set_num_threads(1)
@@ -344,7 +351,7 @@ def main() -> None:
             print(f"# {name}: host ms inside the hook per step (launching, not waiting): "
                   + ", ".join(f"{m} {r['hook:' + m]:.2f}" for m in methods if f"hook:{m}" in r))
             if "replays" in r:
-                print(f"# {name}: topk-graphs replayed {r['replays']} bucket selections and {r['finish_replays']} "
+                print(f"# {name}: {r['replayed_by']} replayed {r['replays']} bucket selections and {r['finish_replays']} "
                       f"addings back as CUDA graphs")
             if "whole_replays" in r:
                 print(f"# {name}: topk-bucket-graphs replayed {r['whole_replays']} whole bucket steps as CUDA graphs")
