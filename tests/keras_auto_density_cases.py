@@ -49,6 +49,7 @@ def test_auto_density_in_fit_follows_each_decision_with_identical_ranks(monkeypa
     train function for all of them; every rank's weights are the same bytes, and the sparse steps sent less."""
     script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
+    compressor.auto.half = False  # the script's sequence is dense <-> sparse
     weights, seen = _fit(compressor, keras.optimizers.SGD(0.1), wrapper)
     assert seen[0] is None and [r is None for _, r in _changes(seen)] == [False, True], seen
     assert _same_on_every_rank(weights, f"auto.fit.{wrapper}")
@@ -62,6 +63,7 @@ def test_auto_density_in_update_mode_follows_each_decision_with_identical_ranks(
     in force, and every rank's weights stay the same bytes."""
     script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5, target="update")
+    compressor.auto.half = False
     weights, seen = _fit(compressor, keras.optimizers.Adam(1e-2), "horovod.tensorflow.keras")
     assert seen[0] is None and [r is None for _, r in _changes(seen)] == [False, True], seen
     assert _same_on_every_rank(weights, "auto.update.fit")

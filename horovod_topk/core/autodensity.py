@@ -122,14 +122,15 @@ def half_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
 
 
 def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int,
-                  value_itemsize: int, grad_itemsize: int, sparse_available: bool = False
+                  value_itemsize: int, grad_itemsize: int, sparse_available: bool = False, half: bool = False
                   ) -> Optional[RouteSchedule]:
     """A tensor's route and k under each of CHOICES (position i: CHOICES[i]), for a traced graph that holds one
-    branch per route and looks up the choice in force at each step; None when every choice sends it dense (too
-    small, not floating, or dense_fallback at every density). Each density's position is plan_tensor's plan at
-    that density: the plan PyTorch executes while it is in force. HALF's position is dense: a traced graph's
-    compressor does not choose it (its AutoDensity has ``half=False``)."""
-    plans = [dense_plan(numel), dense_plan(numel)] + [
+    branch per route and looks up the choice in force at each step; None when every choice sends it dense (not
+    floating, or too small and fp16 not offered). Each position's plan is the one PyTorch executes while that
+    choice is in force: plan_tensor's at a density, half_plan's at HALF where ``half`` (the compressor's
+    AutoDensity offers fp16: every floating tensor, however small, goes in float16 then), else dense."""
+    held = half_plan(numel, is_floating, grad_itemsize) if half else dense_plan(numel)
+    plans = [dense_plan(numel), held] + [
         plan_tensor(name, numel, is_floating, config_at(config, ratio), world_size=world_size,
                     value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
         for ratio in DENSITIES]

@@ -62,6 +62,8 @@ __all__ = [
     "SPARSE_ALLREDUCE",
     "DENSE",
     "DENSE_HALF",
+    "FLOAT16_MAX",
+    "half_limit",
     "HASH_MULTIPLIER",
     "CAPACITY_SLACK",
     "region_of",
@@ -85,6 +87,8 @@ DENSE = "dense"
 #: Dense, the values in float16 (ratio="auto"'s "fp16" choice: Horovod's fp16 compression with error feedback; the
 #: rounding and anything beyond float16's range stay in the residual). A dense route, not an exchange.
 DENSE_HALF = "dense_fp16"
+#: The largest finite float16.
+FLOAT16_MAX = 65504.0
 #: The values TopKConfig.exchange accepts.
 EXCHANGES = (AUTO, ALLGATHER, SPARSE_ALLREDUCE)
 
@@ -276,3 +280,8 @@ def choose_exchange(
     _, _, best, nbytes = min(costs)
     return best, nbytes
 
+
+def half_limit(world_size: int) -> float:
+    """The largest value one rank may send on the fp16 route (DENSE_HALF): P ranks' float16 sum of values within
+    +-65504 / P cannot overflow into an Inf that no rank had; what the clamp cuts stays in the residual."""
+    return FLOAT16_MAX / max(int(world_size), 1)

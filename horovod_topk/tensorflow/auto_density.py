@@ -1,7 +1,7 @@
 """ratio="auto" in TensorFlow: the density in force looked up by the traced step, chosen on the host.
 
-A traced graph has fixed ops, so a compressed tensor's graph holds one branch per route its densities take
-(core.autodensity.auto_schedule: dense, allgather, sparse allreduce) and looks up the sizes of the density in force
+A traced graph has fixed ops, so a compressed tensor's graph holds one branch per route its choices take
+(core.autodensity.auto_schedule: dense, fp16, allgather, sparse allreduce) and looks up the sizes of the density in force
 (horovod_topk.tensorflow.sizes), as the sparsity warm-up does by step. The density in force is decided on the host:
 once per step, before any compressed collective of that step is launched, one ``tf.py_function`` (the *tick*)
 
@@ -20,8 +20,8 @@ once per step, before any compressed collective of that step is launched, one ``
 A step is one run of a traced graph (the tick is built once per graph, by its first compressed tensor, outside the
 ``tf.cond`` branches the reductions are built in: a step whose reductions are skipped by a condition still counts);
 in eager mode, one pass of the tensors in program order (the tick runs at the first tensor's reduction). What is not
-stamped: tensors that are dense whatever the density (under ``min_numel``, not floating), which go to Horovod's
-own allreduce.
+stamped: tensors that are dense whatever the choice (not floating; under ``min_numel`` where fp16 is not offered),
+which go to Horovod's own allreduce.
 """
 from __future__ import annotations
 

@@ -31,8 +31,9 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
-from ..core.exchange import ALLGATHER, DENSE, SPARSE_ALLREDUCE
-from . import buckets, ops, shared, sizes, sparse_allreduce, steps
+from ..core.exchange import ALLGATHER, DENSE, DENSE_HALF, SPARSE_ALLREDUCE
+from ..core.naming import half_allreduce_name
+from . import buckets, half_route, ops, shared, sizes, sparse_allreduce, steps
 from .auto_density import AutoTick
 from .state import state_variable
 from .telemetry import GraphTelemetry, adapt_writer
@@ -113,6 +114,9 @@ class TopKEF(TopKEFBase[Any]):
     ``TopKEF(log_every=N, summary_writer=w)`` reports every N steps like PyTorch (core.telemetry); ``w`` has
     ``add_scalar(tag, value, step)`` or is a ``tf.summary.SummaryWriter`` (see horovod_topk.tensorflow.telemetry).
     """
+
+    #: ratio="auto" may choose fp16: its traced graph holds a float16 branch (:meth:`_half_reduce`).
+    _sends_half = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "summary_writer" in kwargs:
@@ -280,7 +284,7 @@ class TopKEF(TopKEFBase[Any]):
         if self._auto_tick is not None:  # every density's route, the one in force looked up per step
             schedule = auto_schedule(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
                                      value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
-                                     sparse_available=True)
+                                     sparse_available=True, half=self.auto is not None and self.auto.half)
             compressed, k, exchange = schedule is not None, None, None
         else:  # the route is traced once: with a warm-up, the plan after it (its steps are branches)
             plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
@@ -352,12 +356,13 @@ class TopKEF(TopKEFBase[Any]):
     def _bucket_at(self, members: Sequence["_Scheduled"], routes: Sequence[str], position: tf.Tensor,
                    dense: Any) -> List[tf.Tensor]:
         """The members of a scheduled bucket under one combination of ``routes``: the dense ones each by Horovod's
-        allreduce, the compressed ones as one bucket (:meth:`_exchange_bucket`) at their sizes of the bucket's
+        allreduce (in float16 on the fp16 route: Horovod's fusion buffer joins them), the compressed ones as one bucket (:meth:`_exchange_bucket`) at their sizes of the bucket's
         ``position``. One position for every member: the route and the sizes always agree, even if a member's own
         warm-up counter drifted from its bucket-mates' after the trace (a state loaded into a traced step)."""
-        out: List[Optional[tf.Tensor]] = [None if route != DENSE else dense(member.step)
+        out: List[Optional[tf.Tensor]] = [dense(member.step) if route == DENSE else
+                                          self._half_reduce(member.step) if route == DENSE_HALF else None
                                           for member, route in zip(members, routes)]
-        compressed = [i for i, route in enumerate(routes) if route != DENSE]
+        compressed = [i for i, route in enumerate(routes) if route not in (DENSE, DENSE_HALF)]
         reduced = self._exchange_bucket([
             _Bucketable(members[i].step, routes[i], members[i].schedule.count, position)
             for i in compressed]) if compressed else []
@@ -369,7 +374,8 @@ class TopKEF(TopKEFBase[Any]):
                           dense: Any) -> tf.Tensor:
         """A route and k that change from step to step inside one traced graph: one ``tf.switch_case`` branch per
         route of ``schedule`` (core.policy.RouteSchedule: dense, allgather, sparse allreduce), each built once for
-        every k, whose sizes it looks up by ``position`` (horovod_topk.tensorflow.sizes). Used by the sparsity
+        every k, whose sizes it looks up by ``position`` (horovod_topk.tensorflow.sizes), and for ratio="auto"'s fp16 one
+        branch of dense in float16 (:meth:`_half_reduce`). Used by the sparsity
         warm-up (position: the step, up to the schedule's last) and by ratio="auto" (position: the density in
         force). Each step therefore selects and sends exactly the k and exchange of core's plan for it, as
         PyTorch does, and the graph holds one copy of the compressed path per exchange instead of one per payload
@@ -378,6 +384,7 @@ class TopKEF(TopKEFBase[Any]):
         (README, "First-step (tracing) cost", has the per-step times of both)."""
         branches = [
             functools.partial(dense, step) if route == DENSE
+            else functools.partial(self._half_reduce, step) if route == DENSE_HALF
             else functools.partial(self._topk_reduce, step, route, schedule.count, position)
             for route in schedule.routes
         ]
@@ -503,6 +510,23 @@ class TopKEF(TopKEFBase[Any]):
                 tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64),
                 tf.cast(step.guarded, tf.int64)]))]):
             return tf.reshape(reduced, step.shape)
+
+    def _half_reduce(self, step: "_Step") -> tf.Tensor:
+        """ratio="auto"'s fp16: the gradient plus its residual, scaled, in float16 by Horovod's allreduce (a sum of
+        the scaled shares), what float16 did not carry kept in the residual (horovod_topk.tensorflow.half_route)."""
+        from horovod.tensorflow.mpi_ops import Sum, _allreduce
+
+        half, new_residual, finite = half_route.to_half(tf.reshape(step.tensor, [-1]), step.residual, step.scale,
+                                                        step.process_set.size())
+        with tf.control_dependencies([step.residual.assign(new_residual)]):
+            half = tf.identity(half)
+        summed = _allreduce(half, name=half_allreduce_name(step.name), op=Sum, ignore_name_scope=True,
+                            process_set=step.process_set)
+        with tf.control_dependencies([step.counters.assign_add(tf.stack([
+                tf.constant(1, tf.int64), tf.constant(2 * step.numel, tf.int64),
+                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64),
+                tf.cast(step.guarded, tf.int64)]))]):
+            return tf.reshape(tf.cast(summed, step.tensor.dtype), step.shape)
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
                 k: Optional[int], process_set: Any, route: Optional[str] = None) -> None:

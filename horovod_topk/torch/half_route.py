@@ -23,13 +23,10 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
+from ..core.exchange import FLOAT16_MAX, half_limit
 from . import kernels
 
 __all__ = ["FLOAT16_MAX", "to_half", "HalfHandle"]
-
-#: The largest finite float16.
-FLOAT16_MAX = 65504.0
-
 
 def to_half(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size: int,
             out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Union[int, torch.Tensor]]:
@@ -40,7 +37,7 @@ def to_half(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size
     host synchronisation)."""
     if scale == 0.0:
         raise ValueError("horovod-topk: a reduction scaled by 0 cannot be sent in float16 with error feedback")
-    limit = FLOAT16_MAX / max(int(world_size), 1)
+    limit = half_limit(world_size)
     if out is None:
         out = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
     module = kernels.load() if flat.device.type == "cpu" and flat.is_contiguous() else None

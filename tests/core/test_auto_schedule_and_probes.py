@@ -15,8 +15,13 @@ def test_each_position_takes_the_plan_of_its_density(world_size, numel):
                              sparse_available=True)
     assert schedule is not None and len(schedule.phase) == len(CHOICES)
     assert schedule.routes[schedule.phase[0]] == "dense" and schedule.count[0] == 0
-    # fp16 is dense in a traced graph (its compressor does not choose it)
+    # fp16 is dense where the compressor does not offer it, its own route where it does
     assert schedule.routes[schedule.phase[choice_index(HALF)]] == "dense" and schedule.count[choice_index(HALF)] == 0
+    offered = auto_schedule("w", numel, True, config, world_size=world_size, value_itemsize=4, grad_itemsize=4,
+                            sparse_available=True, half=True)
+    assert offered.routes[offered.phase[choice_index(HALF)]] == "dense_fp16"
+    assert offered.count[choice_index(HALF)] == 0 and offered.phase[0] != offered.phase[choice_index(HALF)]
+    assert [offered.count[i] for i in range(len(CHOICES))] == list(schedule.count)
     for ratio in DENSITIES:
         position = choice_index(ratio)
         plan = plan_tensor("w", numel, True, config_at(config, ratio), world_size=world_size, value_itemsize=4,
@@ -30,6 +35,18 @@ def test_a_tensor_dense_at_every_density_has_no_schedule():
     config = TopKConfig(ratio="auto", min_numel=4096)
     assert auto_schedule("b", 1000, True, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None
     assert auto_schedule("i", 1 << 20, False, config, world_size=2, value_itemsize=4, grad_itemsize=4) is None
+
+
+def test_with_fp16_offered_a_small_tensor_goes_in_float16_and_only_a_floating_one():
+    """As PyTorch sends it while fp16 is in force (AutoDensity.held_plan): every floating tensor, however small,
+    in float16; not one that is not floating point or already 2 bytes a value."""
+    config = TopKConfig(ratio="auto", min_numel=4096)
+    small = auto_schedule("b", 1000, True, config, world_size=2, value_itemsize=4, grad_itemsize=4, half=True)
+    assert small is not None and small.routes == ("dense", "dense_fp16") and set(small.count) == {0}
+    assert [small.routes[p] for p in small.phase] == ["dense", "dense_fp16"] + ["dense"] * len(DENSITIES)
+    assert auto_schedule("i", 1 << 20, False, config, world_size=2, value_itemsize=4, grad_itemsize=4,
+                         half=True) is None
+    assert auto_schedule("h", 1000, True, config, world_size=2, value_itemsize=2, grad_itemsize=2, half=True) is None
 
 
 def test_choice_index_round_trips_and_names_a_stranger():

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from horovod_topk.core import RankMismatch
-from horovod_topk.core.autodensity import auto_schedule, choice_index
+from horovod_topk.core.autodensity import HALF, auto_schedule, choice_index
 from horovod_topk.core.policy import tensor_payload_layout
 from horovod_topk.tensorflow import TopKEF, auto_density
 
@@ -79,6 +79,7 @@ def test_each_density_sends_its_k_and_error_feedback_stays_exact_through_every_c
     measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
     compressor = TopKEF(ratio="auto", auto_every=FIRST_DECISION)
+    compressor.auto.half = False  # the script's sequence is dense <-> sparse; fp16 has its own test below
     previous, ratios = {}, []
 
     def check(step, names, local, reduced, v):
@@ -128,6 +129,7 @@ def test_buckets_train_as_the_per_tensor_exchange_through_every_change(monkeypat
         script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
         built = record_allgathers(monkeypatch)
         compressor = TopKEF(ratio="auto", auto_every=FIRST_DECISION, min_numel=0, bucket_bytes=bucket_bytes)
+        compressor.auto.half = False
         ratios = []
         params = run(compressor, range(4 * FIRST_DECISION), on_step=lambda *args: ratios.append(compressor.auto.ratio))
         residuals = {key: record.residual.numpy().copy() for key, record in compressor.registry.records.items()
@@ -196,6 +198,51 @@ def test_a_checkpoint_loaded_on_one_rank_only_is_named_instead_of_hanging(monkey
     with pytest.raises(RankMismatch, match="ranks disagree"):
         run(compressor, range(1))
     hvd.allreduce(tf.zeros([1]), name="tf.auto.one.rank.done")
+
+
+def test_fp16_keeps_error_feedback_exact_and_variables_identical_through_its_changes(monkeypatch):
+    """ratio="auto"'s fp16 in a traced graph: dense -> sparse -> fp16 (the sparse residuals' leftovers go out in
+    float16) -> dense (fp16's residual goes out dense), one graph for all of them. Per tensor, over all ranks and
+    steps: sum of raw gradients == P * sum of averaged gradients + sum of residuals, within the float16 sums' own
+    rounding on fp16 steps (each rank's own rounding is in its residual); the small tensors go in float16 too;
+    identical variables; fp16 steps send 2 bytes an entry."""
+    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    decided = script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
+    world = hvd.size()
+    raw, sent, bound, ratios, step_bytes = {}, {}, {}, [], [0]
+
+    def record(step, names, local, reduced, v):
+        half = compressor.auto.ratio == HALF
+        for name, g, out in zip(names, local, reduced):
+            if isinstance(g, tf.IndexedSlices):  # the embedding: Horovod's allgather of slices, not compressed
+                continue
+            g, out = g.numpy().astype(np.float64), out.numpy().astype(np.float64)
+            raw[name] = raw.get(name, 0) + g
+            sent[name] = sent.get(name, 0) + out
+            # the float16 sum's rounding: at most P - 1 roundings of 2**-11, in units of P x the average
+            bound[name] = bound.get(name, 0) + (world * (world - 1) * 2 ** -10 * np.abs(out) + 2 ** -22
+                                                if half else 0)
+        ratios.append(compressor.auto.ratio)
+        step_bytes.append(compressor.stats()["bytes_sent"])
+
+    params = run(compressor, range(4 * FIRST_DECISION), on_step=record)
+    assert isinstance(ratios[FIRST_DECISION], float), (ratios, decided)
+    assert ratios[2 * FIRST_DECISION] == HALF and ratios[-1] is None, (ratios, decided)
+    records = {tuple(r.shape): r for r in compressor.registry.records.values()}
+    assert {name: records[raw[name].shape].residual is not None for name in raw} == {name: True for name in raw}
+    for name in sorted(raw):
+        residual = records[raw[name].shape].residual.numpy().reshape(raw[name].shape).astype(np.float64)
+        totals = hvd.allreduce(tf.constant(np.stack([raw[name], residual])), op=hvd.Sum,
+                               name=f"tf.auto.half.{name}").numpy()
+        gap = np.abs(world * sent[name] + totals[1] - totals[0])
+        assert (gap <= bound[name] + 1e-5).all(), (name, gap.max())
+    per_step = [b - a for a, b in zip(step_bytes, step_bytes[1:])]
+    assert all(b == per_step[0] // 2 for b, r in zip(per_step, ratios) if r == HALF), (per_step, ratios)
+    assert compressor.stats()["exchanges"].get("dense_fp16", 0) > 0
+    gathered = hvd.allgather_object(params, name="tf.auto.half.params")
+    for name in params:
+        np.testing.assert_array_equal(gathered[0][name], gathered[1][name])
 
 
 def test_a_different_budget_on_one_rank_is_named_instead_of_hanging():
