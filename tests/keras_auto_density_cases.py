@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from horovod_topk.core.autodensity import HALF
 from horovod_topk.tensorflow import TopKEF, auto_density
-from tests.auto_links import FIRST_DECISION, script, slow_link, sparse_slower_than_dense
+from tests.auto_links import FIRST_DECISION, fast_link, script, slow_link, sparse_slower_than_dense
 from tests.keras_update_mode_cases import WRAPPERS, _batches, _loss_fn, _model, _same_on_every_rank, _weights, _wrap
 
 keras = tf.keras
@@ -29,11 +30,11 @@ class _Densities(keras.callbacks.Callback):
         self.seen.append(self.compressor.auto.ratio)
 
 
-def _fit(compressor, optimizer, wrapper):
+def _fit(compressor, optimizer, wrapper, steps=STEPS):
     model = _model()
     model.compile(optimizer=_wrap(optimizer, compressor, wrapper), loss=_loss_fn())
-    x = np.concatenate([b[0] for b in _batches(STEPS, hvd.rank())])
-    y = np.concatenate([b[1] for b in _batches(STEPS, hvd.rank())])
+    x = np.concatenate([b[0] for b in _batches(steps, hvd.rank())])
+    y = np.concatenate([b[1] for b in _batches(steps, hvd.rank())])
     densities = _Densities(compressor)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[densities])
     return _weights(model), densities.seen
@@ -69,3 +70,17 @@ def test_auto_density_in_update_mode_follows_each_decision_with_identical_ranks(
     assert _same_on_every_rank(weights, "auto.update.fit")
     stats = compressor.stats()
     assert stats["bytes_sent"] < stats["bytes_dense"] and stats["exchanges"]
+
+
+def test_auto_density_in_update_mode_through_fp16_keeps_ranks_identical(monkeypatch):
+    """Update mode with fp16 among the choices: sparse, then fp16 (every update dense in float16, its rounding fed
+    back), then dense, in one traced train function; every rank's weights stay the same bytes."""
+    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION, target="update")
+    weights, seen = _fit(compressor, keras.optimizers.Adam(1e-2), "horovod.tensorflow.keras",
+                         steps=4 * FIRST_DECISION)
+    assert [r if r == HALF else r is None for _, r in _changes(seen)] == [False, HALF, True], seen
+    assert _same_on_every_rank(weights, "auto.update.fp16")
+    stats = compressor.stats()
+    assert stats["exchanges"].get("dense_fp16", 0) > 0 and stats["bytes_sent"] < stats["bytes_dense"]

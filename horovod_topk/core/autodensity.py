@@ -115,8 +115,8 @@ def dense_plan(numel: int) -> TensorPlan:
 
 def half_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
     """A tensor's plan while ratio="auto" holds fp16: dense in float16, unless float16 saves nothing (a gradient of
-    2 bytes or fewer a value already, or not floating point: dense as it is)."""
-    if not is_floating or grad_itemsize <= 2:
+    2 bytes or fewer a value already, not floating point, or empty: dense as it is)."""
+    if not is_floating or grad_itemsize <= 2 or numel == 0:
         return dense_plan(numel)
     return TensorPlan(numel, None, "ratio='auto': fp16", DENSE_HALF)
 

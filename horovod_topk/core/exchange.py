@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -64,6 +65,7 @@ __all__ = [
     "DENSE_HALF",
     "FLOAT16_MAX",
     "half_limit",
+    "float16_at_most",
     "HASH_MULTIPLIER",
     "CAPACITY_SLACK",
     "region_of",
@@ -282,6 +284,21 @@ def choose_exchange(
 
 
 def half_limit(world_size: int) -> float:
-    """The largest value one rank may send on the fp16 route (DENSE_HALF): P ranks' float16 sum of values within
-    +-65504 / P cannot overflow into an Inf that no rank had; what the clamp cuts stays in the residual."""
-    return FLOAT16_MAX / max(int(world_size), 1)
+    """The largest value one rank may send on the fp16 route (DENSE_HALF), so that P ranks' float16 sum cannot
+    overflow into an Inf that no rank had; what the clamp cuts stays in the residual.
+
+    Not 65504 / P: that is no float16 unless P is a power of 2, and the cast could round it up (P = 3: 21834.67 ->
+    21840, and 3 x 21840 rounds to Inf). The limit is a float16 (the cast of a clamped value is exact) at most
+    65504 / (P (1 + 2^-11)^(P-1)): a reduction adds P values in P - 1 steps, each rounding its partial sum up by at
+    most 2^-11 of it, so even then the sum stays within 65504."""
+    world_size = max(int(world_size), 1)
+    return float16_at_most(FLOAT16_MAX / (world_size * (1.0 + 2.0 ** -11) ** (world_size - 1)))
+
+
+def float16_at_most(value: float) -> float:
+    """The largest float16 that is at most ``value`` (0 <= value <= 65504)."""
+    if not 0.0 <= value <= FLOAT16_MAX:
+        raise ValueError(f"horovod-topk: {value} is outside [0, {FLOAT16_MAX}]")
+    bits = struct.unpack("<H", struct.pack("<e", value))[0]  # the nearest float16
+    nearest = struct.unpack("<e", struct.pack("<H", bits))[0]
+    return nearest if nearest <= value else struct.unpack("<e", struct.pack("<H", bits - 1))[0]

@@ -43,7 +43,8 @@ class TensorPlan:
     """What happens to one tensor on one step.
 
     ``k`` is None when the tensor goes dense; ``reason`` says why, for logs and ``stats()``. ``exchange`` is how
-    a compressed tensor's entries travel (core.exchange: "allgather" or "sparse_allreduce"; "dense" when k is None).
+    a compressed tensor's entries travel (core.exchange: "allgather" or "sparse_allreduce"; "dense" when k is None,
+    or "dense_fp16" under ratio="auto"'s fp16).
     """
 
     numel: int

@@ -493,7 +493,7 @@ class TopKEF(TopKEFBase[Any]):
 
     def _dense_reduce(self, step: "_Step", *, op_name: str, prescale_factor: float,
                       postscale_factor: float) -> tf.Tensor:
-        """A warm-up step that goes dense: Horovod's own allreduce of the gradient plus what the residual still
+        """A step that goes dense (a warm-up's, or ratio="auto"'s dense choice): Horovod's own allreduce of the gradient plus what the residual still
         holds (nothing is lost when a tensor changes route), in the gradient's shape."""
         from horovod.tensorflow.mpi_ops import Average, Sum, _allreduce
 

@@ -263,7 +263,7 @@ class _Group:
         self.counts = counts
         self._views: List[Optional[torch.Tensor]] = [None] * counts.numel()
         self._residual_views: List[Optional[torch.Tensor]] = [None] * counts.numel()
-        #: This group's selection recorded as CUDA graphs (HOROVOD_TOPK_CUDA_GRAPHS=1), one per set of addresses;
+        #: This group's selection recorded as CUDA graphs (torch.group_graphs), one per set of addresses;
         #: they read this group's layout tables, so they live and die with it.
         self.graphs = group_graphs.GroupGraphs()
         #: Its adding back recorded likewise, reading :meth:`gathered`'s buffer.

@@ -1,14 +1,18 @@
 import math
+import struct
 
 import pytest
 
 from horovod_topk.core import TopKConfig, fingerprint, mismatch_message, plan_tensor
 from horovod_topk.core.exchange import (
+    FLOAT16_MAX,
     SparseAllreduceLayouts,
     allgather_exchange_nbytes,
     capacity,
     choose_exchange,
     dense_nbytes,
+    float16_at_most,
+    half_limit,
     kept_per_owner,
     region_of,
     sparse_allreduce_nbytes,
@@ -143,3 +147,40 @@ def test_every_entry_selected_fits_without_overflow():
         assert largest_region(numel, world) == max(counts)
         assert capacity(numel, world, numel) == max(counts) == kept_per_owner(numel, world, numel)
     assert capacity(10, 2, 1000) == 6  # k < N: the slack formula
+
+
+
+def _float16_at_least(value: float) -> float:
+    """The smallest float16 that is at least ``value`` (inf beyond 65504): the rounding that goes up."""
+    if value > FLOAT16_MAX:
+        return math.inf
+    below = float16_at_most(value)
+    if below == value:
+        return below
+    return struct.unpack("<e", struct.pack("<H", struct.unpack("<H", struct.pack("<e", below))[0] + 1))[0]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 6, 7, 8, 24, 64, 100, 1024])
+def test_the_fp16_limit_is_a_float16_whose_sum_over_every_rank_stays_finite(world_size):
+    """P ranks each sending the limit, summed in float16 one rank at a time with every partial sum rounded up (the
+    worst a reduction's roundings can do): the sum stays a finite float16."""
+    limit = half_limit(world_size)
+    assert float16_at_most(limit) == limit and 0 < limit <= FLOAT16_MAX / world_size
+    total = 0.0
+    for _ in range(world_size):
+        total = _float16_at_least(total + limit)
+    assert total <= FLOAT16_MAX, (world_size, total)
+
+
+def test_65504_over_p_would_overflow_where_p_is_no_power_of_two():
+    """Why the limit is not 65504 / P: at P = 3 that value casts to 21840, and three of them make 65520, an Inf."""
+    nearest = struct.unpack("<e", struct.pack("<e", FLOAT16_MAX / 3))[0]
+    assert nearest == 21840.0 and 3 * nearest > FLOAT16_MAX
+    assert 3 * half_limit(3) <= FLOAT16_MAX
+
+
+def test_float16_at_most_rounds_down_and_names_a_value_out_of_range():
+    assert float16_at_most(21834.67) == 21824.0 and float16_at_most(2.0) == 2.0
+    assert float16_at_most(0.0) == 0.0 and float16_at_most(FLOAT16_MAX) == FLOAT16_MAX
+    with pytest.raises(ValueError, match="outside"):
+        float16_at_most(70000.0)

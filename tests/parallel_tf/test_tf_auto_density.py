@@ -204,19 +204,30 @@ def test_fp16_keeps_error_feedback_exact_and_variables_identical_through_its_cha
     """ratio="auto"'s fp16 in a traced graph: dense -> sparse -> fp16 (the sparse residuals' leftovers go out in
     float16) -> dense (fp16's residual goes out dense), one graph for all of them. Per tensor, over all ranks and
     steps: sum of raw gradients == P * sum of averaged gradients + sum of residuals, within the float16 sums' own
-    rounding on fp16 steps (each rank's own rounding is in its residual); the small tensors go in float16 too;
-    identical variables; fp16 steps send 2 bytes an entry."""
+    rounding on fp16 steps; on each fp16 step each rank's residual holds its own rounding (non-zero, at most half a
+    float16 step of gradient + residual); the small tensors go in float16 too; identical variables; fp16 steps send
+    2 bytes an entry."""
     links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
     world = hvd.size()
-    raw, sent, bound, ratios, step_bytes = {}, {}, {}, [], [0]
+    raw, sent, bound, ratios, step_bytes, before, half_steps = {}, {}, {}, [], [0], {}, [0]
 
     def record(step, names, local, reduced, v):
         half = compressor.auto.ratio == HALF
+        half_steps[0] += half
+        records = {tuple(r.shape): r for r in compressor.registry.records.values()}
         for name, g, out in zip(names, local, reduced):
             if isinstance(g, tf.IndexedSlices):  # the embedding: Horovod's allgather of slices, not compressed
                 continue
+            residual = records[tuple(g.shape)].residual
+            now = np.zeros(g.shape, np.float64) if residual is None else \
+                residual.numpy().reshape(g.shape).astype(np.float64)
+            if half:  # this rank's own rounding stays, and nothing more (nothing is clamped at these values)
+                acc = g.numpy().astype(np.float64) + before.get(name, 0)
+                assert np.count_nonzero(now) > 0, (name, step)
+                assert (np.abs(now) <= np.abs(acc) * 2 ** -11 / (1 - 2 ** -11) + 2 ** -24 * world).all(), (name, step)
+            before[name] = now
             g, out = g.numpy().astype(np.float64), out.numpy().astype(np.float64)
             raw[name] = raw.get(name, 0) + g
             sent[name] = sent.get(name, 0) + out
@@ -228,8 +239,9 @@ def test_fp16_keeps_error_feedback_exact_and_variables_identical_through_its_cha
 
     params = run(compressor, range(4 * FIRST_DECISION), on_step=record)
     assert isinstance(ratios[FIRST_DECISION], float), (ratios, decided)
-    assert ratios[2 * FIRST_DECISION] == HALF and ratios[-1] is None, (ratios, decided)
+    assert ratios[2 * FIRST_DECISION] == HALF and ratios[-1] is None and half_steps[0] > 0, (ratios, decided)
     records = {tuple(r.shape): r for r in compressor.registry.records.values()}
+    assert len(records) == len(raw)  # every tensor has a shape of its own here
     assert {name: records[raw[name].shape].residual is not None for name in raw} == {name: True for name in raw}
     for name in sorted(raw):
         residual = records[raw[name].shape].residual.numpy().reshape(raw[name].shape).astype(np.float64)
