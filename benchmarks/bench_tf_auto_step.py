@@ -6,7 +6,8 @@
 The Keras digits CNN (examples/digits_keras.py), a batch of 32, SGD, one ``tf.function`` step through
 ``hvd.DistributedGradientTape``. Alone (``hvd.init()`` in one process) the collectives are local, so what differs
 between the rows is the graph around them (auto: per bucket a ``tf.switch_case`` over its members' routes,
-``auto-per-tensor`` one per compressed tensor; two stamps per tensor, one host tick per step); under horovodrun the collectives are real, and the methods are compared side
+``auto-per-tensor`` one per compressed tensor; two stamps per tensor, one host tick per step; ``auto-no-fp16``
+without fp16 among the choices, so without its float16 branch, and the small tensors go to Horovod directly); under horovodrun the collectives are real, and the methods are compared side
 by side in one job. Methods alternate within each round; each gets a fresh model, 30 untimed steps (tracing,
 auto's first decisions), then ``--steps`` timed ones. Rank 0 prints the median step per method and its ratio to
 dense. ``--ablate`` adds auto with one part replaced at a time (its dense branch by Horovod's bare allreduce, its
@@ -33,7 +34,7 @@ from horovod_topk.tensorflow import TopKEF  # noqa: E402
 
 from horovod_topk.tensorflow import auto_density, compressor as tf_compressor  # noqa: E402
 
-METHODS = ("dense", "0.01", "auto", "auto-per-tensor")
+METHODS = ("dense", "0.01", "auto", "auto-no-fp16", "auto-per-tensor")
 #: --ablate: auto with one of its parts replaced, to see what each costs (not a working compressor: timing only)
 ABLATIONS = ("auto-plain-dense", "auto-no-stamps", "auto-no-tick")
 _PARTS = {"call": auto_density.AutoTick._call, "ready": auto_density.AutoTick.ready,
@@ -75,6 +76,8 @@ def step_ms(method: str, steps: int) -> "tuple[float, object]":
     buckets = {"bucket_bytes": 0} if method.endswith("-per-tensor") else {}  # every tensor its own switch_case
     compressor = None if method == "dense" else TopKEF(ratio="auto" if method.startswith("auto") else float(method),
                                                        **buckets)
+    if method == "auto-no-fp16":  # fp16 not among the choices: no float16 branch, small tensors straight to Horovod
+        compressor.auto.half = False
 
     @tf.function
     def step():
