@@ -80,6 +80,8 @@ HALF = "fp16"
 Density = Union[None, str, float]
 #: Every choice, dense first: the position a traced graph (TensorFlow) looks up to take the density in force.
 CHOICES: Tuple[Density, ...] = (None, HALF) + DENSITIES
+#: How many of the last decisions that changed the choice stats()["auto"]["history"] keeps.
+HISTORY_KEPT = 64
 #: A change needs a 25% margin: the step predicted this much faster, or the budget missed (or met) by this much.
 HYSTERESIS = 0.25
 #: A denser density (dense included) predicted this much faster than the current one is taken at once: sending
@@ -374,6 +376,9 @@ class AutoDensity:
     decisions: int = 0
     changes: int = 0
     last: Dict[str, Any] = field(default_factory=dict)
+    #: (step, choice) of the first decision and of every decision that changed the choice since construction or
+    #: load, the last HISTORY_KEPT of them: what a run chose when, for stats() and a study's records.
+    history: List[Tuple[int, str]] = field(default_factory=list)
     _measure_from: int = SETTLE_STEPS
     _started: Optional[float] = None
     _wait: float = 0.0
@@ -445,6 +450,8 @@ class AutoDensity:
                                 hidden_s=self.hidden_s, offset_s=self.offset_s, grad_itemsize=grad_itemsize,
                                 half=self.half, half_offset_s=self.half_offset_s)
         changed = first or choice.ratio != self.ratio
+        if changed:
+            self.history = (self.history + [(self.step, label(choice.ratio))])[-HISTORY_KEPT:]
         self.decisions += 1
         self.changes += int(choice.ratio != self.ratio)
         self.ratio = choice.ratio
@@ -555,4 +562,5 @@ class AutoDensity:
 
     def stats(self) -> Dict[str, Any]:
         return {"ratio": self.ratio, "decisions": self.decisions, "changes": self.changes,
-                "next_decision": self.next_decision, "last": dict(self.last)}
+                "next_decision": self.next_decision, "last": dict(self.last),
+                "history": [list(entry) for entry in self.history]}

@@ -253,6 +253,20 @@ def test_an_fp16_window_measures_its_own_offset_and_round_trips():
     assert other.ratio is None and other.next_decision == other.step + 1 + SETTLE_STEPS + WINDOW_STEPS
 
 
+def test_history_keeps_the_first_decision_and_every_change_not_the_kept_ones():
+    auto = AutoDensity(AUTO, half=True)
+    auto.step = first = SETTLE_STEPS + WINDOW_STEPS
+    m = link(2.4e9, compute=1.0, select=2e-9)
+    dense_step = 1.0 + predict_steps(TENSORS, AUTO, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0)[0]["dense"]
+    auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step))  # fp16
+    auto.step = second = auto.next_decision
+    auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step + 2.0))  # back to dense
+    for _ in range(3):  # kept: not in the history
+        auto.step = auto.next_decision
+        auto.decide(TENSORS, link(1e12))
+    assert auto.stats()["history"] == [[first, "fp16"], [second, "dense"]] and auto.decisions == 5
+
+
 def test_no_change_waits_auto_every_steps():
     auto = AutoDensity(TopKConfig(ratio="auto", auto_every=50))
     auto.step = 12
