@@ -308,8 +308,10 @@ class TopKEF(TopKEFBase[Any]):
         pending.route = "topk"
         state_dtype = ops.residual_dtype(tensor.dtype)
         residual = self._buffer(self._residual_vars, "residual", name, record, numel, state_dtype)
+        # the momentum buffer serves the selection: not a tensor that ratio="auto" only ever sends dense or in fp16
+        selected = schedule is None or any(route not in (DENSE, DENSE_HALF) for route in schedule.routes)
         momentum = self._buffer(self._momentum_vars, "momentum", name, record, numel, state_dtype) \
-            if self.config.momentum else None
+            if self.config.momentum and selected else None
         guarded: Union[int, tf.Tensor] = 0  # without spike_guard: no input for it in steps.receive
         if self.config.spike_guard is not None:
             tensor, guarded = self._guard_spike(name, record, tensor, counters[0])

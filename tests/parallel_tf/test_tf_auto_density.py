@@ -257,6 +257,23 @@ def test_fp16_keeps_error_feedback_exact_and_variables_identical_through_its_cha
         np.testing.assert_array_equal(gathered[0][name], gathered[1][name])
 
 
+def test_with_momentum_only_the_tensors_auto_may_select_get_a_momentum_buffer(monkeypatch):
+    """DGC momentum under ratio="auto" with fp16 offered: the small tensors (dense or fp16 only) get a residual for
+    fp16's rounding but no momentum buffer; through dense -> 0.01 -> fp16 the variables stay identical on every rank."""
+    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION, momentum=0.9)
+    ratios = []
+    params = run(compressor, range(3 * FIRST_DECISION), on_step=lambda *args: ratios.append(compressor.auto.ratio))
+    assert HALF in ratios and any(isinstance(r, float) for r in ratios), ratios
+    sizes = {key: int(np.prod(record.shape)) for key, record in compressor.registry.records.items()}
+    assert set(compressor._residual_vars) == set(sizes)
+    assert {key for key in compressor._momentum_vars} == {key for key, n in sizes.items() if n >= 256}
+    gathered = hvd.allgather_object(params, name="tf.auto.momentum.params")
+    for name in params:
+        np.testing.assert_array_equal(gathered[0][name], gathered[1][name])
+
+
 def test_a_different_budget_on_one_rank_is_named_instead_of_hanging():
     compressor = TopKEF(ratio="auto", budget=0.1 if hvd.rank() == 0 else 0.2)
     with pytest.raises(RankMismatch, match="budget"):
