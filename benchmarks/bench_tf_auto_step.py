@@ -6,8 +6,9 @@
 The Keras digits CNN (examples/digits_keras.py), a batch of 32, SGD, one ``tf.function`` step through
 ``hvd.DistributedGradientTape``. Alone (``hvd.init()`` in one process) the collectives are local, so what differs
 between the rows is the graph around them (auto: per bucket a ``tf.switch_case`` over its members' routes,
-``auto-per-tensor`` one per compressed tensor; two stamps per tensor, one host tick per step; ``auto-no-fp16``
-without fp16 among the choices, so without its float16 branch, and the small tensors go to Horovod directly); under horovodrun the collectives are real, and the methods are compared side
+``auto-per-tensor`` one per compressed tensor; two stamps per tensor, one host tick per step; ``auto-no-fp16`` without
+fp16 among the choices, so without its float16 branch, and the small tensors go to Horovod directly); under horovodrun
+the collectives are real, and the methods are compared side
 by side in one job. Methods alternate within each round; each gets a fresh model, 30 untimed steps (tracing,
 auto's first decisions), then ``--steps`` timed ones. Rank 0 prints the median step per method and its ratio to
 dense. ``--ablate`` adds auto with one part replaced at a time (its dense branch by Horovod's bare allreduce, its

@@ -89,10 +89,10 @@ class RouteSchedule:
     which one a step takes: by step during the sparsity warm-up (warmup_schedule), by the density in force with
     ratio="auto" (core.autodensity.auto_schedule).
 
-    Position i takes ``routes[phase[i]]`` ("dense", "dense_fp16", "allgather" or "sparse_allreduce"; the routes
-    in the order the positions first take them) with ``count[i]`` entries (0 when dense, in either precision). A graph holds one branch per route,
-    not one per k: a branch looks up its position's k and sizes (horovod_topk.tensorflow.sizes), so it sends
-    exactly the entries and bytes PyTorch sends there.
+    Position i takes ``routes[phase[i]]`` ("dense", "dense_fp16", "allgather" or "sparse_allreduce"; the routes in the
+    order the positions first take them) with ``count[i]`` entries (0 when dense, in either precision). A graph holds
+    one branch per route, not one per k: a branch looks up its position's k and sizes (horovod_topk.tensorflow.sizes),
+    so it sends exactly the entries and bytes PyTorch sends there.
     """
 
     routes: Tuple[str, ...]

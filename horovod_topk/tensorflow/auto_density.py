@@ -1,9 +1,9 @@
 """ratio="auto" in TensorFlow: the density in force looked up by the traced step, chosen on the host.
 
 A traced graph has fixed ops, so a compressed tensor's graph holds one branch per route its choices take
-(core.autodensity.auto_schedule: dense, fp16, allgather, sparse allreduce) and looks up the sizes of the density in force
-(horovod_topk.tensorflow.sizes), as the sparsity warm-up does by step. The density in force is decided on the host:
-once per step, before any compressed collective of that step is launched, one ``tf.py_function`` (the *tick*)
+(core.autodensity.auto_schedule: dense, fp16, allgather, sparse allreduce) and looks up the sizes of the density in
+force (horovod_topk.tensorflow.sizes), as the sparsity warm-up does by step. The density in force is decided on the
+host: once per step, before any compressed collective of that step is launched, one ``tf.py_function`` (the *tick*)
 
 1. closes the last step's measurement from what the graph stamped (per tensor, in a variable of its own: when
    its gradient was ready, when its reduction was done): wait = the last done - the last ready (what a PyTorch

@@ -358,9 +358,10 @@ class TopKEF(TopKEFBase[Any]):
     def _bucket_at(self, members: Sequence["_Scheduled"], routes: Sequence[str], position: tf.Tensor,
                    dense: Any) -> List[tf.Tensor]:
         """The members of a scheduled bucket under one combination of ``routes``: the dense ones each by Horovod's
-        allreduce (in float16 on the fp16 route: Horovod's fusion buffer joins them), the compressed ones as one bucket (:meth:`_exchange_bucket`) at their sizes of the bucket's
-        ``position``. One position for every member: the route and the sizes always agree, even if a member's own
-        warm-up counter drifted from its bucket-mates' after the trace (a state loaded into a traced step)."""
+        allreduce (in float16 on the fp16 route: Horovod's fusion buffer joins them), the compressed ones as one
+        bucket (:meth:`_exchange_bucket`) at their sizes of the bucket's ``position``. One position for every member:
+        the route and the sizes always agree, even if a member's own warm-up counter drifted from its bucket-mates'
+        after the trace (a state loaded into a traced step)."""
         out: List[Optional[tf.Tensor]] = [dense(member.step) if route == DENSE else
                                           self._half_reduce(member.step) if route == DENSE_HALF else None
                                           for member, route in zip(members, routes)]
@@ -376,14 +377,14 @@ class TopKEF(TopKEFBase[Any]):
                           dense: Any) -> tf.Tensor:
         """A route and k that change from step to step inside one traced graph: one ``tf.switch_case`` branch per
         route of ``schedule`` (core.policy.RouteSchedule: dense, allgather, sparse allreduce), each built once for
-        every k, whose sizes it looks up by ``position`` (horovod_topk.tensorflow.sizes), and for ratio="auto"'s fp16 one
-        branch of dense in float16 (:meth:`_half_reduce`). Used by the sparsity
-        warm-up (position: the step, up to the schedule's last) and by ratio="auto" (position: the density in
-        force). Each step therefore selects and sends exactly the k and exchange of core's plan for it, as
-        PyTorch does, and the graph holds one copy of the compressed path per exchange instead of one per payload
-        size. After a warm-up the same branch runs at the final k: a branch of static shapes for those steps would
-        be a second copy of the compressed path in every tensor's graph, the trace cost this design removes
-        (README, "First-step (tracing) cost", has the per-step times of both)."""
+        every k, whose sizes it looks up by ``position`` (horovod_topk.tensorflow.sizes), and for ratio="auto"'s fp16
+        one branch of dense in float16 (:meth:`_half_reduce`). Used by the sparsity warm-up (position: the step, up to
+        the schedule's last) and by ratio="auto" (position: the density in force). Each step therefore selects and
+        sends exactly the k and exchange of core's plan for it, as PyTorch does, and the graph holds one copy of the
+        compressed path per exchange instead of one per payload size. After a warm-up the same branch runs at the
+        final k: a branch of static shapes for those steps would be a second copy of the compressed path in every
+        tensor's graph, the trace cost this design removes (README, "First-step (tracing) cost", has the per-step
+        times of both)."""
         branches = [
             functools.partial(dense, step) if route == DENSE
             else functools.partial(self._half_reduce, step) if route == DENSE_HALF
@@ -482,9 +483,7 @@ class TopKEF(TopKEFBase[Any]):
                        new_momentum: Optional[tf.Tensor], finite: tf.Tensor, sent_nbytes: ops.Size) -> tf.Tensor:
         """The sparse allreduce's half after its collectives (horovod_topk.tensorflow.sparse_allreduce): the
         residual is written after both phases, which put back into it the entries no owner applied."""
-        updates = [step.residual.assign(new_residual), step.counters.assign_add(tf.stack([
-            tf.constant(1, tf.int64), tf.cast(sent_nbytes, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
-            1 - tf.cast(finite, tf.int64), tf.cast(step.guarded, tf.int64)]))]
+        updates = [step.residual.assign(new_residual), self._count_step(step, sent_nbytes, finite)]
         if step.momentum is not None:
             updates.append(step.momentum.assign(new_momentum))
         with tf.control_dependencies(updates):
@@ -495,8 +494,9 @@ class TopKEF(TopKEFBase[Any]):
 
     def _dense_reduce(self, step: "_Step", *, op_name: str, prescale_factor: float,
                       postscale_factor: float) -> tf.Tensor:
-        """A step that goes dense (a warm-up's, or ratio="auto"'s dense choice): Horovod's own allreduce of the gradient plus what the residual still
-        holds (nothing is lost when a tensor changes route), in the gradient's shape."""
+        """A step that goes dense (a warm-up's, or ratio="auto"'s dense choice): Horovod's own allreduce of the
+        gradient plus what the residual still holds (nothing is lost when a tensor changes route), in the gradient's
+        shape."""
         from horovod.tensorflow.mpi_ops import Average, Sum, _allreduce
 
         flat = tf.reshape(step.tensor, [-1])
@@ -507,10 +507,7 @@ class TopKEF(TopKEFBase[Any]):
         reduced = _allreduce(flat, name=f"{step.name}.dense", op=Average if op_name == "average" else Sum,
                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              ignore_name_scope=True, process_set=step.process_set)
-        with tf.control_dependencies([step.counters.assign_add(tf.stack([
-                tf.constant(1, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
-                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64),
-                tf.cast(step.guarded, tf.int64)]))]):
+        with tf.control_dependencies([self._count_step(step, step.dense_nbytes, finite)]):
             return tf.reshape(reduced, step.shape)
 
     def _half_reduce(self, step: "_Step") -> tf.Tensor:
@@ -524,11 +521,15 @@ class TopKEF(TopKEFBase[Any]):
             half = tf.identity(half)
         summed = _allreduce(half, name=half_allreduce_name(step.name), op=Sum, ignore_name_scope=True,
                             process_set=step.process_set)
-        with tf.control_dependencies([step.counters.assign_add(tf.stack([
-                tf.constant(1, tf.int64), tf.constant(2 * step.numel, tf.int64),
-                tf.constant(step.dense_nbytes, tf.int64), 1 - tf.cast(finite, tf.int64),
-                tf.cast(step.guarded, tf.int64)]))]):
+        with tf.control_dependencies([self._count_step(step, 2 * step.numel, finite)]):
             return tf.reshape(tf.cast(summed, step.tensor.dtype), step.shape)
+
+    @staticmethod
+    def _count_step(step: "_Step", sent_nbytes: Union[int, ops.Size], finite: tf.Tensor) -> Any:
+        """One step of ``step``'s tensor into its counters: steps, bytes sent, dense bytes, non-finite, guarded."""
+        return step.counters.assign_add(tf.stack([
+            tf.constant(1, tf.int64), tf.cast(sent_nbytes, tf.int64), tf.constant(step.dense_nbytes, tf.int64),
+            1 - tf.cast(finite, tf.int64), tf.cast(step.guarded, tf.int64)]))
 
     def _verify(self, name: str, record: TensorRecord[Any], counters: tf.Variable, dtype: tf.DType,
                 k: Optional[int], process_set: Any, route: Optional[str] = None) -> None:

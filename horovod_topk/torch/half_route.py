@@ -7,9 +7,9 @@ Horovod's ``Compression.fp16`` and DDP's ``fp16_compress_hook`` send, with two d
 - what float16 does not carry -- the rounding, values below its smallest subnormal -- stays in the tensor's
   residual and goes out on later steps (error feedback, as for the entries Top-K does not send): nothing is lost;
 - values are scaled by the reduction's factor (1/P for an average) before the cast and clamped to a float16 a little
-  under 65504 / P (core.exchange.half_limit), so that the sum of P ranks' values cannot overflow float16 into an
-  Inf no rank had; what the clamp cut stays in the
-  residual too. A plain cast turns a finite gradient of 70000 (a large AMP loss scale) into Inf on every rank.
+  under 65504 / P (core.exchange.half_limit), so that the sum of P ranks' values cannot overflow float16 into an Inf
+  no rank had; what the clamp cut stays in the residual too. A plain cast turns a finite gradient of 70000 (a large
+  AMP loss scale) into Inf on every rank.
 
 A gradient's NaN/Inf entries are sent as such (every rank's average turns non-finite there, as with a dense
 allreduce, so AMP's scaler skips the step on every rank) and never enter the residual.
@@ -28,6 +28,7 @@ from ..core.exchange import FLOAT16_MAX, half_limit
 from . import kernels
 
 __all__ = ["FLOAT16_MAX", "to_half", "HalfHandle"]
+
 
 def to_half(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size: int,
             out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Union[int, torch.Tensor]]:
