@@ -90,6 +90,7 @@ def worker(args: argparse.Namespace) -> None:
             took = slowest(time.perf_counter() - started)
             if round_ >= args.warmup:
                 times[method].append(took)
+        hvd.allreduce(torch.zeros(1), name="bench_sync.barrier")  # both ranks' passes share the memory, as in sync
         started = time.perf_counter()
         for r, g in zip(residuals, grads):
             r.add_(g)

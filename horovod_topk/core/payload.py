@@ -22,7 +22,7 @@ the indices and values of all ranks in place, without copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 __all__ = ["PayloadLayout", "INDEX_ITEMSIZE", "ALIGNMENT", "PayloadSizeMismatch", "SEGMENT_BITS", "FLOAT8_MAX",
            "float8_e4m3_values", "payload_layout"]
@@ -156,6 +156,9 @@ class PayloadLayout:
         )
 
 
+@lru_cache(maxsize=4096)
 def payload_layout(k: int, numel: int, value_itemsize: int, index_bits: int = 32, scaled: bool = False) -> PayloadLayout:
-    """The layout of a k-entry payload of an N-element tensor under the given options (see the module docstring)."""
+    """The layout of a k-entry payload of an N-element tensor under the given options (see the module docstring).
+    Remembered per arguments (layouts are immutable): every compressed tensor asks for its own on every step, and a
+    new object would compute its offsets again each time."""
     return PayloadLayout(k, value_itemsize, numel if index_bits == 16 else 0, index_bits, scaled)

@@ -1,5 +1,6 @@
 """The members of a bucket that travel by allgather, selected into one payload and added back from the gathered
-ones: on a GPU one run of the grouped Triton kernels (triton_select) for all of them, elsewhere member by member.
+ones: on a GPU one run of the grouped Triton kernels (triton_select) for all of them, on the CPU one call of the
+fused kernel, elsewhere member by member.
 
 Why grouped: on a GPU what costs is the host launching kernels. Selected one by one, each member costs ~20
 launches, and a ResNet-50 step spent 24-34 ms of host time in them (an H100, docs/performance.md "GPUs"), where the
@@ -14,9 +15,10 @@ one flat buffer per group, so the kernels update them in place; a residual that 
 after a move between devices, buckets rebuilt) is copied into its place once and replaced by the view.
 
 Where grouping applies (:func:`groupable`): members (one is enough) whose backend is the Triton one, float32 gradients
-and residuals, one wire dtype, the plain payload layout, no DGC momentum. Anything else (the CPU's fused kernel
-included: there the time is in the passes over memory, not in launches) is selected member by member. One member
-is a group too: a large embedding or classifier alone in its DDP bucket gains no launches from it, but a group's
+and residuals, one wire dtype, the plain payload layout, no DGC momentum. On the CPU (:func:`fused_groupable`) the
+fused kernel takes the whole bucket in one call too (FusedBackend.compress_group, decompress_group): the same
+per-member passes, without the Python around each member's call. Anything else (compact payloads, mixed wire
+dtypes) is selected member by member. One member is a group too: a large embedding or classifier alone in its DDP bucket gains no launches from it, but a group's
 steps can be kept and replayed (torch.steady_bucket, torch.bucket_graph), which member-by-member steps cannot.
 """
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ..core import PayloadLayout
 from . import group_graphs, selection
 from .selection import compress_tensor, decompress_tensor
 
-__all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", "add_back", "groupable", "select"]
+__all__ = ["BucketSelection", "GroupMember", "GroupSelection", "SelectedGroup", "add_back", "fused_groupable",
+           "groupable", "select"]
 
 #: Work on the same step's tensors that runs with a selection or an adding back, and is recorded with it under CUDA
 #: graphs: (a key naming every address it reads and writes beyond the group's own, the work). A DDP bucket's dense
@@ -69,6 +72,17 @@ def groupable(members: Sequence[GroupMember], backends: Sequence[Any], momentum:
     return all(m.flat.dtype == torch.float32 and m.flat.device == first.flat.device
                and m.wire_dtype == first.wire_dtype and m.layout.value_itemsize == first.layout.value_itemsize
                and triton.kernels.supports(m.flat, m.residual, m.layout, m.wire_dtype, None) for m in members)
+
+
+def fused_groupable(members: Sequence[GroupMember], backends: Sequence[Any], momentum: Sequence[Any]) -> bool:
+    """Whether ``members`` can be selected by one call of the CPU's fused kernel (FusedBackend.compress_group): all
+    of them on its backend, plain payload layouts, one wire dtype, and DGC momentum for all or none."""
+    if not members or not all(isinstance(b, selection.FusedBackend) for b in backends):
+        return False
+    wire = members[0].wire_dtype
+    with_momentum = momentum[0] is not None
+    return all(not m.layout.compact and m.wire_dtype == wire and (buf is not None) == with_momentum
+               for m, buf in zip(members, momentum))
 
 
 def _span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -347,9 +361,23 @@ class BucketSelection:
         self._backends = backends
         #: What a ``beside`` work given to the selection returned (the steady path's dense members), or None.
         self.beside: Optional[torch.Tensor] = None
+        #: The CPU's fused kernel when it selected every member in one call (:meth:`finish` adds back likewise).
+        self._fused: Optional[selection.FusedBackend] = None
         if groupable(self.members, backends, momentum):
             self._group = state._group_selection().select(self.members, state, span)
             self.payload = self._group.payload
+            return
+        if fused_groupable(self.members, backends, momentum):
+            self._fused = backends[0]
+            started = time.perf_counter()
+            self.payload, nonfinite = self._fused.compress_group(
+                [m.flat for m in self.members], [m.residual for m in self.members],
+                momentum if momentum[0] is not None else None, state.config.momentum,
+                [m.layout for m in self.members], self.members[0].wire_dtype, [m.record.steps for m in self.members])
+            for m, flag in zip(self.members, nonfinite):
+                m.record.nonfinite_steps += flag
+            state._selected_group([m.record for m in self.members], [m.flat.numel() for m in self.members],
+                                  time.perf_counter() - started)
             return
         payloads = []
         for m, backend, buf in zip(self.members, backends, momentum):
@@ -382,6 +410,12 @@ class BucketSelection:
         adding back where that is a CUDA graph)."""
         if self._group is not None:
             self._group.finish(rows, scale, selection.triton_backend().kernels, beside)
+            return
+        if self._fused is not None:
+            self._fused.decompress_group(rows, [m.layout for m in self.members], self.members[0].wire_dtype, scale,
+                                         [m.flat for m in self.members])
+            if beside is not None:
+                beside[1]()
             return
         start = 0
         for m, backend in zip(self.members, self._backends):
@@ -443,6 +477,7 @@ class SteadySelection:
         """The selection over this step's ``buffer``, with ``beside``'s work (its result: :attr:`beside`)."""
         done = BucketSelection.__new__(BucketSelection)
         done.world_size, done._backends = self.world_size, self._backends
+        done._fused = None
         done.members = [GroupMember(name, record, buffer[a:b], residual, layout, wire)
                         for name, record, (a, b), residual, layout, wire in self._members]
         span = buffer[self._span[0]:self._span[1]] if self._span is not None else None

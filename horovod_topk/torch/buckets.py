@@ -10,11 +10,13 @@ handle is an ordinary :class:`~.compressor.TopKHandle` whose wait returns that m
 gathered buffer (so every backend and the compact encoding decompress as per tensor), or its part of the sparse
 allreduce.
 
-On a GPU (members whose backend is the Triton one) an allgather member is not selected when it arrives: it waits,
-unselected, and when its bucket is complete all such members are selected by one run of the grouped kernels
-(torch.bucket_select) into the front of the bucket's payload; their handles add the gathered payloads back with
-one run too. Kernel launches queue on the device, so nothing is gained by launching each member's ~20 as it
-arrives; everything is gained by launching ~10 for the whole bucket.
+An allgather member whose backend is the Triton one (GPUs) or the fused kernel (CPUs) is not selected when it
+arrives: it waits, unselected, and when its bucket is complete all such members are selected at once
+(torch.bucket_select: one run of the grouped kernels, or one call of the fused kernel) into the front of the bucket's
+payload; their handles add the gathered payloads back at once too. On a GPU kernel launches queue on the device, so
+nothing is gained by launching each member's ~20 as it arrives, and everything by launching ~10 for the whole
+bucket; on a CPU the selection's work is the same either way (the hooks run on the thread that runs backward), and
+one call saves the Python around each member's.
 
 A bucket whose last member never arrives on a step (a parameter whose gradient Horovod sends another way, such as
 a sparse one) is sent with what it has when ``synchronize()`` first waits for one of its members: Horovod's

@@ -42,6 +42,10 @@ from .update_mode import LocalHandle
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather", "allgather_handle"]
 
+#: The backends whose bucket members are selected together when their bucket is complete (torch.bucket_select).
+_GROUPED = ("triton", "fused")
+
+
 class AgreementCheck:
     """The fingerprint allgather of one tensor's first step (core.consistency); calling it waits and raises
     RankMismatch, on every rank alike, unless all ranks agree."""
@@ -252,8 +256,9 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         assert plan.k is not None
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         record.exchange = plan.exchange
-        if plan.exchange == ALLGATHER and self._bucketed.covers(name) and self._backend(tensor).name == "triton":
-            # on a GPU: selected with its bucket-mates by one run of the grouped kernels (torch.buckets)
+        if plan.exchange == ALLGATHER and self._bucketed.covers(name) and self._backend(tensor).name in _GROUPED:
+            # selected with its bucket-mates at once: on a GPU by the grouped kernels, on the CPU by one call of the
+            # fused kernel (torch.buckets, torch.bucket_select)
             member = UnselectedMember(name, record, tensor, flat, plan.k, world_size, op_name, scale, process_set)
             return self._bucketed.arrive(name, None, plan.exchange, allgather_handle, member)
         payload, layout, wire_dtype, backend, residual = self._select(name, record, tensor, flat, plan.k,

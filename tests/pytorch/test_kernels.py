@@ -333,3 +333,93 @@ def test_a_build_lock_left_by_a_killed_compile_is_removed_and_a_fresh_one_kept(t
         assert remove_stale_lock(str(tmp_path))
     assert not lock.exists() and "build lock" in str(caught[0].message)
     assert not remove_stale_lock(str(tmp_path))  # nothing there: nothing to do
+
+
+def _members(seed, sizes=(5000, 1, 3000, 70_000), dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    residuals = [0.1 * torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    ks = [max(1, n // 100) for n in sizes]
+    return grads, residuals, ks
+
+
+@pytest.mark.parametrize("dtype,wire,momentum", [(torch.float32, torch.float32, 0.0),
+                                                 (torch.float64, torch.float64, 0.0),
+                                                 (torch.float32, torch.float16, 0.0),
+                                                 (torch.float32, torch.float32, 0.9)])
+def test_a_group_writes_what_each_member_alone_writes(dtype, wire, momentum):
+    """compress_group / decompress_group (one call for a bucket) give every member the bytes, residual, momentum
+    buffer and averaged gradient compress / decompress give it alone, bit for bit; a NaN in one member's gradient
+    stays that member's (its bucket-mates select as usual)."""
+    grads, residuals, ks = _members(3, dtype=dtype)
+    grads[2][17] = float("nan")
+    wire_size = torch.empty(0, dtype=wire).element_size()
+    layouts = [PayloadLayout(k, wire_size) for k in ks]
+    samples = [max(2048, 100 * g.numel() // k) for g, k in zip(grads, ks)]
+    momenta = [torch.randn(g.numel(), dtype=dtype) for g in grads] if momentum else []
+    alone_r, alone_u = [r.clone() for r in residuals], [u.clone() for u in momenta]
+    payloads, flags = [], []
+    for i, (g, layout) in enumerate(zip(grads, layouts)):
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        info = K.compress(alone_r[i], g, alone_u[i] if momenta else None, momentum, layout.k, layout.values_offset,
+                          payload, torch.empty(0, dtype=wire), samples[i], 5 + i)
+        payloads.append(payload)
+        flags.append(info[0] < 0)
+    group = torch.empty(sum(layout.nbytes for layout in layouts), dtype=torch.uint8)
+    first = K.compress_group(residuals, grads, momenta, momentum, ks, [layout.values_offset for layout in layouts],
+                             [layout.nbytes for layout in layouts], group, torch.empty(0, dtype=wire), samples,
+                             [5 + i for i in range(len(grads))])
+    assert [f < 0 for f in first] == flags == [False, False, True, False]
+    assert torch.equal(group, torch.cat(payloads))
+    for mine, theirs in zip(residuals + momenta, alone_r + alone_u):
+        assert torch.equal(mine, theirs)
+    # two ranks' payloads: the second rank's made from other gradients; rows are a view into a longer buffer
+    other_grads, other_residuals, _ = _members(4, dtype=dtype)
+    other = torch.empty_like(group)
+    K.compress_group(other_residuals, other_grads, [u.clone() for u in momenta], momentum, ks,
+                     [layout.values_offset for layout in layouts], [layout.nbytes for layout in layouts], other,
+                     torch.empty(0, dtype=wire), samples, [0] * len(grads))
+    gathered = torch.zeros(2, group.numel() + 24, dtype=torch.uint8)
+    gathered[0, :group.numel()], gathered[1, :group.numel()] = group, other
+    rows = gathered[:, :group.numel()]
+    outs = [torch.full_like(g, 7.0) for g in grads]
+    K.decompress_group(rows, ks, [layout.values_offset for layout in layouts], [layout.nbytes for layout in layouts],
+                       torch.empty(0, dtype=wire), 0.5, outs)
+    start = 0
+    for i, layout in enumerate(layouts):
+        end = start + layout.nbytes
+        alone = torch.full_like(grads[i], 7.0)
+        K.decompress(rows[:, start:end].contiguous().view(-1), 2, layout.k, layout.values_offset, layout.nbytes,
+                     torch.empty(0, dtype=wire), 0.5, alone)
+        assert torch.equal(outs[i], alone) or (torch.isnan(outs[i]).any() and torch.equal(
+            torch.nan_to_num(outs[i], nan=1.5), torch.nan_to_num(alone, nan=1.5)))
+        start = end
+
+
+def test_a_bad_payload_in_one_member_leaves_every_gradient_of_the_group_unwritten():
+    grads, residuals, ks = _members(5)
+    layouts = [PayloadLayout(k, 4) for k in ks]
+    group = torch.empty(sum(layout.nbytes for layout in layouts), dtype=torch.uint8)
+    K.compress_group(residuals, grads, [], 0.0, ks, [layout.values_offset for layout in layouts],
+                     [layout.nbytes for layout in layouts], group, torch.empty(0), [2048] * 4, [0] * 4)
+    rows = torch.stack([group, group.clone()])
+    last = sum(layout.nbytes for layout in layouts[:3])
+    rows[1, last:last + 4].view(torch.int32)[0] = 10 ** 9  # the last member's first index, on the second rank
+    outs = [g.clone() for g in grads]
+    with pytest.raises(RuntimeError, match="out of range for a tensor of 70000 elements"):
+        K.decompress_group(rows, ks, [layout.values_offset for layout in layouts],
+                           [layout.nbytes for layout in layouts], torch.empty(0), 0.5, outs)
+    for out, g in zip(outs, grads):
+        assert torch.equal(out, g)
+
+
+def test_a_group_call_names_what_does_not_fit():
+    grads, residuals, ks = _members(6)
+    layouts = [PayloadLayout(k, 4) for k in ks]
+    short = torch.empty(sum(layout.nbytes for layout in layouts) - 8, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="payload of .* bytes for members of"):
+        K.compress_group(residuals, grads, [], 0.0, ks, [layout.values_offset for layout in layouts],
+                         [layout.nbytes for layout in layouts], short, torch.empty(0), [2048] * 4, [0] * 4)
+    with pytest.raises(RuntimeError, match="one entry per member"):
+        K.compress_group(residuals, grads[:3], [], 0.0, ks, [layout.values_offset for layout in layouts],
+                         [layout.nbytes for layout in layouts], short, torch.empty(0), [2048] * 4, [0] * 4)

@@ -1,4 +1,5 @@
-// Fused CPU kernels of horovod-topk: one call per tensor for compress and one for decompress.
+// Fused CPU kernels of horovod-topk: one call per tensor (or per bucket: compress_group, decompress_group) for
+// compress and one for decompress.
 //
 // Why a kernel: with torch ops every step of Top-K selection (compensate, |.|, threshold, mask, nonzero, gather,
 // residual update) is another pass over N elements, and exact torch.topk is ~40x one elementwise pass. Here:
@@ -273,14 +274,51 @@ R quantile_threshold(const std::vector<R>& sample, int64_t n, int64_t k) {
   return threshold;
 }
 
+// The k-th largest magnitude among the candidates (as its key; 1 <= k < count) and, in ``above``, how many lie
+// strictly above it. Every candidate is at least ``thr`` (the scan's threshold), so one histogram pass over their
+// keys in 2048 buckets per binade above thr (the last bucket takes everything from 2 thr up) finds the bucket that
+// holds the k-th, and only that bucket's keys -- a few dozen on a normal tail -- are searched (kth_largest). Three
+// passes over the candidates where building every key for the general search and counting afterwards took six: the
+// selection was a sixth of a ResNet-50 compress at ratio 0.01 (docs/performance.md).
+template <typename R>
+typename MagnitudeKey<R>::type kth_candidate(const Candidates<R>& cand, int64_t k, R thr, int64_t& above) {
+  using Key = typename MagnitudeKey<R>::type;
+  constexpr int BUCKETS = 2048;
+  constexpr unsigned SHIFT = std::is_same<R, float>::value ? 23 - 11 : 52 - 11;  // mantissa bits - log2(BUCKETS)
+  const Key lo = magnitude_key(thr > R(0) ? thr : R(0));
+  const int64_t count = cand.count;
+  const R* v = cand.value.data();
+  auto bucket = [lo](Key key) -> size_t {
+    const Key d = key > lo ? key - lo : Key(0);
+    return static_cast<size_t>(std::min<Key>(d >> SHIFT, Key(BUCKETS - 1)));
+  };
+  thread_local std::vector<int64_t> hist(BUCKETS);
+  std::fill(hist.begin(), hist.end(), 0);
+  for (int64_t i = 0; i < count; ++i) ++hist[bucket(magnitude_key(v[i]))];
+  above = 0;
+  size_t b = BUCKETS - 1;
+  while (above + hist[b] < k) above += hist[b--];
+  thread_local std::vector<Key> keys;
+  keys.clear();
+  for (int64_t i = 0; i < count; ++i) {
+    const Key key = magnitude_key(v[i]);
+    if (bucket(key) == b) keys.push_back(key);
+  }
+  thread_local std::vector<Key> scratch;  // kth_largest reorders and shrinks what it searches
+  scratch.assign(keys.begin(), keys.end());
+  const Key kth = kth_largest(scratch, k - above);
+  for (const Key key : keys) above += (key > kth);
+  return kth;
+}
+
 template <typename R, typename G, typename W>
-std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c10::optional<torch::Tensor> momentum_buf,
-                   double momentum, int64_t k, int64_t values_offset, torch::Tensor payload, int64_t sample_size,
+std::vector<int64_t> compress_impl(const torch::Tensor& residual, const torch::Tensor& grad, const torch::Tensor* momentum_buf,
+                   double momentum, int64_t k, int64_t values_offset, uint8_t* base, int64_t nbytes, int64_t sample_size,
                    int64_t seed) {
   const int64_t n = residual.numel();
   R* r = residual.data_ptr<R>();
   const G* g = grad.data_ptr<G>();
-  R* u = momentum_buf.has_value() ? momentum_buf->data_ptr<R>() : nullptr;
+  R* u = momentum_buf != nullptr ? momentum_buf->data_ptr<R>() : nullptr;
   const R m = static_cast<R>(momentum);
 
   // 1. threshold from a strided sample of the compensated magnitudes (nothing written yet), taken as runs of 16
@@ -293,8 +331,9 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   const int64_t stride = std::max<int64_t>(RUN, (n / runs) / RUN * RUN);
   const int64_t start = (stride > RUN) ? (seed % (stride / RUN)) * RUN : 0;
   thread_local std::vector<R> sample;
-  sample.clear();
-  sample.reserve(static_cast<size_t>(runs * RUN + RUN));
+  sample.resize(static_cast<size_t>((n - start + stride - 1) / stride * RUN));
+  R* __restrict__ out = sample.data();
+  int64_t taken = 0;
   for (int64_t b = start; b < n; b += stride) {
     const int64_t ahead = b + AHEAD * stride;
     if (ahead < n) {
@@ -304,12 +343,21 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
         if (u != nullptr) __builtin_prefetch(reinterpret_cast<const char*>(u + ahead) + line);
       }
     }
-    for (int64_t i = b; i < std::min<int64_t>(b + RUN, n); ++i) {
+    const int64_t end = std::min<int64_t>(b + RUN, n);
+    if (u == nullptr && end - b == RUN) {  // a whole run without momentum: a fixed loop the compiler vectorises
+      const R* __restrict__ rr = r + b;
+      const G* __restrict__ gg = g + b;
+      for (int64_t j = 0; j < RUN; ++j) out[taken + j] = std::fabs(rr[j] + static_cast<R>(gg[j]));
+      taken += RUN;
+      continue;
+    }
+    for (int64_t i = b; i < end; ++i) {
       R add = static_cast<R>(g[i]);
       if (u != nullptr) add = m * u[i] + add;
-      sample.push_back(std::fabs(r[i] + add));
+      out[taken++] = std::fabs(r[i] + add);
     }
   }
+  sample.resize(static_cast<size_t>(taken));
   R thr = (k >= n) ? R(0) : quantile_threshold<R>(sample, n, k);  // every entry goes when k == n
 
   // 2. one fused pass; 3. if too few candidates, put them back, lower the threshold and rescan (no second
@@ -327,8 +375,7 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
     // rank's average turns non-finite where this one's gradient was, as with a dense allreduce, and an AMP loss
     // scaler skips the step on every rank alike. The finite entries stay in the residual for later steps.
     cand.give_back_all(r);
-    uint8_t* base = payload.data_ptr<uint8_t>();
-    std::memset(base, 0, static_cast<size_t>(payload.numel()));
+    std::memset(base, 0, static_cast<size_t>(nbytes));
     int32_t* indices = reinterpret_cast<int32_t*>(base);
     W* values = reinterpret_cast<W*>(base + values_offset);
     for (int64_t j = 0; j < k; ++j) {
@@ -356,12 +403,8 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
   //    above the k-th largest magnitude and as many equal to it as needed; the others go back to the residual.
   if (count > k) {
     using Key = typename MagnitudeKey<R>::type;
-    thread_local std::vector<Key> keys;
-    keys.resize(static_cast<size_t>(count));
-    for (int64_t i = 0; i < count; ++i) keys[i] = magnitude_key(cand.value[i]);
-    const Key kth = kth_largest(keys, k);
     int64_t above = 0;
-    for (int64_t i = 0; i < count; ++i) above += (magnitude_key(cand.value[i]) > kth);
+    const Key kth = kth_candidate(cand, k, thr, above);
     int64_t ties_wanted = k - above, kept = 0;
     for (int64_t i = 0; i < count; ++i) {
       const Key a = magnitude_key(cand.value[i]);
@@ -378,8 +421,7 @@ std::vector<int64_t> compress_impl(torch::Tensor residual, torch::Tensor grad, c
 
   // 5. payload; the residual of a sent entry is 0 already, unless the wire dtype rounds (float16/bfloat16 keep
   //    the rounding error); momentum-factor masking.
-  uint8_t* base = payload.data_ptr<uint8_t>();
-  std::memset(base, 0, static_cast<size_t>(payload.numel()));
+  std::memset(base, 0, static_cast<size_t>(nbytes));
   std::memcpy(base, cand.index.data(), static_cast<size_t>(k) * sizeof(int32_t));
   W* values = reinterpret_cast<W*>(base + values_offset);
   constexpr bool rounds = !std::is_same<W, R>::value;
@@ -405,28 +447,35 @@ inline void add_scaled(O& x, W v, double scale) {
   x = static_cast<O>(static_cast<float>(x) + static_cast<float>(scale * static_cast<double>(v)));
 }
 
-template <typename O, typename W>
-void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t values_offset, int64_t nbytes,
-                     double scale, torch::Tensor out) {
-  const uint8_t* base = gathered.data_ptr<uint8_t>();
-  O* o = out.data_ptr<O>();
-  const int64_t n = out.numel();
+// Whether the P payloads' indices (rank p's at ``base + p * stride``) lie in [0, n) -- throws if not: a bad payload
+// must not leave a half-written gradient, so every payload is checked before anything is written -- and ascend.
+bool check_indices(const uint8_t* base, int64_t world, int64_t stride, int64_t k, int64_t n) {
   bool ascending = true;
-  for (int64_t p = 0; p < world; ++p) {  // validate first: a bad payload must not leave a half-written gradient
-    const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * nbytes);
+  for (int64_t p = 0; p < world; ++p) {
+    const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * stride);
     for (int64_t i = 0; i < k; ++i) {
       TORCH_CHECK(idx[i] >= 0 && idx[i] < n, "horovod-topk: payload index ", idx[i], " out of range for a tensor of ",
                   n, " elements");
       ascending = ascending && (i == 0 || idx[i] >= idx[i - 1]);
     }
   }
+  return ascending;
+}
+
+// The P payloads of one tensor are rank p's at ``base + p * stride`` (one allgather per tensor: stride = a payload's
+// bytes; a bucket's: the row of every member's payloads); ``ascending`` as check_indices found it.
+template <typename O, typename W>
+void decompress_impl(const uint8_t* base, int64_t world, int64_t stride, int64_t k, int64_t values_offset,
+                     bool ascending, double scale, torch::Tensor out) {
+  O* o = out.data_ptr<O>();
+  const int64_t n = out.numel();
   if (!ascending) {
     // Only a payload of non-finite entries (compress repeats the first of them in its free slots) or one made
     // elsewhere: zero the output, then add each payload in turn.
     zero_bytes(static_cast<void*>(o), static_cast<size_t>(n) * sizeof(O));
     for (int64_t p = 0; p < world; ++p) {
-      const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * nbytes);
-      const W* val = reinterpret_cast<const W*>(base + p * nbytes + values_offset);
+      const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * stride);
+      const W* val = reinterpret_cast<const W*>(base + p * stride + values_offset);
       for (int64_t i = 0; i < k; ++i) add_scaled(o[idx[i]], val[i], scale);
     }
     return;
@@ -446,8 +495,8 @@ void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t v
     const int64_t end = begin + len;
     std::memset(static_cast<void*>(block), 0, static_cast<size_t>(len) * sizeof(O));
     for (int64_t p = 0; p < world; ++p) {
-      const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * nbytes);
-      const W* val = reinterpret_cast<const W*>(base + p * nbytes + values_offset);
+      const int32_t* idx = reinterpret_cast<const int32_t*>(base + p * stride);
+      const W* val = reinterpret_cast<const W*>(base + p * stride + values_offset);
       int64_t c = cursor[static_cast<size_t>(p)];
       for (; c < k && idx[c] < end; ++c) add_scaled(block[idx[c] - begin], val[c], scale);
       cursor[static_cast<size_t>(p)] = c;
@@ -477,39 +526,108 @@ void decompress_impl(torch::Tensor gathered, int64_t world, int64_t k, int64_t v
 
 // Returns (candidates of the first scan, candidates kept for selection, scans): how good the estimate was; or
 // (-1, non-finite entries, 1) when the gradient had NaN/Inf and those went out instead (see compress_impl).
-std::vector<int64_t> compress(torch::Tensor residual, torch::Tensor grad, c10::optional<torch::Tensor> momentum_buf, double momentum,
-              int64_t k, int64_t values_offset, torch::Tensor payload, torch::Tensor wire_like, int64_t sample_size,
-              int64_t seed) {
-  TORCH_CHECK(residual.is_contiguous() && grad.is_contiguous() && payload.is_contiguous(), "contiguous tensors");
-  TORCH_CHECK(residual.device().is_cpu(), "horovod-topk kernels run on CPU tensors");
+std::vector<int64_t> compress_into(const torch::Tensor& residual, const torch::Tensor& grad, const torch::Tensor* momentum_buf,
+                                   double momentum, int64_t k, int64_t values_offset, uint8_t* base, int64_t nbytes,
+                                   at::ScalarType wire, int64_t sample_size, int64_t seed) {
+  TORCH_CHECK(residual.is_contiguous() && grad.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(residual.device().is_cpu() && grad.device().is_cpu(), "horovod-topk kernels run on CPU tensors");
   TORCH_CHECK(residual.numel() == grad.numel() && k >= 1 && k <= residual.numel(), "bad sizes");
-  const auto wire = wire_like.scalar_type();
+  TORCH_CHECK(momentum_buf == nullptr || (momentum_buf->is_contiguous() && momentum_buf->numel() == residual.numel() &&
+                                          momentum_buf->scalar_type() == residual.scalar_type()), "momentum buffer");
   std::vector<int64_t> info;
   if (residual.scalar_type() == at::kDouble) {
     TOPK_DISPATCH_GRAD(grad.scalar_type(), G, [&] {
       TOPK_DISPATCH_WIRE(wire, W, [&] {
-        info = compress_impl<double, G, W>(residual, grad, momentum_buf, momentum, k, values_offset, payload, sample_size, seed);
+        info = compress_impl<double, G, W>(residual, grad, momentum_buf, momentum, k, values_offset, base, nbytes, sample_size, seed);
       });
     });
   } else {
     TORCH_CHECK(residual.scalar_type() == at::kFloat, "residual must be float32 or float64");
     TOPK_DISPATCH_GRAD(grad.scalar_type(), G, [&] {
       TOPK_DISPATCH_WIRE(wire, W, [&] {
-        info = compress_impl<float, G, W>(residual, grad, momentum_buf, momentum, k, values_offset, payload, sample_size, seed);
+        info = compress_impl<float, G, W>(residual, grad, momentum_buf, momentum, k, values_offset, base, nbytes, sample_size, seed);
       });
     });
   }
   return info;
 }
 
+std::vector<int64_t> compress(torch::Tensor residual, torch::Tensor grad, c10::optional<torch::Tensor> momentum_buf, double momentum,
+              int64_t k, int64_t values_offset, torch::Tensor payload, torch::Tensor wire_like, int64_t sample_size,
+              int64_t seed) {
+  TORCH_CHECK(payload.is_contiguous() && payload.scalar_type() == at::kByte, "payload: contiguous uint8");
+  return compress_into(residual, grad, momentum_buf.has_value() ? &*momentum_buf : nullptr, momentum, k, values_offset,
+                       payload.data_ptr<uint8_t>(), payload.numel(), wire_like.scalar_type(), sample_size, seed);
+}
+
+// A bucket's members in one call, their payloads back to back in ``payload`` (member i's ``nbytes[i]`` bytes after
+// those before it): what compress does for each, without a return to Python and a payload allocation per member.
+// ``momenta`` is empty without DGC momentum, else one buffer per member. Returns each member's first element of
+// compress's answer (the first scan's candidates, or -1 where the gradient had NaN/Inf).
+std::vector<int64_t> compress_group(std::vector<torch::Tensor> residuals, std::vector<torch::Tensor> grads,
+                                    std::vector<torch::Tensor> momenta, double momentum, std::vector<int64_t> ks,
+                                    std::vector<int64_t> values_offsets, std::vector<int64_t> nbytes,
+                                    torch::Tensor payload, torch::Tensor wire_like, std::vector<int64_t> sample_sizes,
+                                    std::vector<int64_t> seeds) {
+  const size_t m = residuals.size();
+  TORCH_CHECK(grads.size() == m && ks.size() == m && values_offsets.size() == m && nbytes.size() == m &&
+              sample_sizes.size() == m && seeds.size() == m && (momenta.empty() || momenta.size() == m), "compress_group: one entry per member");
+  TORCH_CHECK(payload.is_contiguous() && payload.scalar_type() == at::kByte, "payload: contiguous uint8");
+  int64_t total = 0;
+  for (const int64_t b : nbytes) total += b;
+  TORCH_CHECK(payload.numel() == total, "compress_group: payload of ", payload.numel(), " bytes for members of ", total);
+  std::vector<int64_t> first(m);
+  uint8_t* at = payload.data_ptr<uint8_t>();
+  const auto wire = wire_like.scalar_type();
+  for (size_t i = 0; i < m; ++i) {
+    first[i] = compress_into(residuals[i], grads[i], momenta.empty() ? nullptr : &momenta[i], momentum, ks[i],
+                             values_offsets[i], at, nbytes[i], wire, sample_sizes[i], seeds[i])[0];
+    at += nbytes[i];
+  }
+  return first;
+}
+
+void decompress_rows(const uint8_t* base, int64_t world, int64_t stride, int64_t k, int64_t values_offset,
+                     bool ascending, at::ScalarType wire, double scale, torch::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && out.device().is_cpu(), "out: a contiguous CPU tensor");
+  TOPK_DISPATCH_GRAD(out.scalar_type(), O, [&] {
+    TOPK_DISPATCH_WIRE(wire, W, [&] { decompress_impl<O, W>(base, world, stride, k, values_offset, ascending, scale, out); });
+  });
+}
+
 void decompress(torch::Tensor gathered, int64_t world, int64_t k, int64_t values_offset, int64_t nbytes,
                 torch::Tensor wire_like, double scale, torch::Tensor out) {
-  TORCH_CHECK(gathered.is_contiguous() && out.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(gathered.is_contiguous(), "contiguous tensors");
   TORCH_CHECK(gathered.numel() == world * nbytes, "gathered payload size");
-  const auto wire = wire_like.scalar_type();
-  TOPK_DISPATCH_GRAD(out.scalar_type(), O, [&] {
-    TOPK_DISPATCH_WIRE(wire, W, [&] { decompress_impl<O, W>(gathered, world, k, values_offset, nbytes, scale, out); });
-  });
+  const uint8_t* base = gathered.data_ptr<uint8_t>();
+  const bool ascending = check_indices(base, world, nbytes, k, out.numel());
+  decompress_rows(base, world, nbytes, k, values_offset, ascending, wire_like.scalar_type(), scale, out);
+}
+
+// The gathered payloads of a bucket's members (compress_group's layout; ``rows``: P rows, each rank's members back to
+// back, possibly a view into a longer row) added back into their gradients ``outs``, one call for the bucket. Every
+// member's indices are checked before any gradient is written.
+void decompress_group(torch::Tensor rows, std::vector<int64_t> ks, std::vector<int64_t> values_offsets,
+                      std::vector<int64_t> nbytes, torch::Tensor wire_like, double scale, std::vector<torch::Tensor> outs) {
+  const size_t m = outs.size();
+  TORCH_CHECK(ks.size() == m && values_offsets.size() == m && nbytes.size() == m, "decompress_group: one entry per member");
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.stride(1) == 1, "rows: P x bytes, uint8");
+  int64_t total = 0;
+  for (const int64_t b : nbytes) total += b;
+  TORCH_CHECK(rows.size(1) == total, "decompress_group: rows of ", rows.size(1), " bytes for members of ", total);
+  const int64_t world = rows.size(0), stride = rows.stride(0);
+  const uint8_t* base = rows.data_ptr<uint8_t>();
+  std::vector<uint8_t> ascending(m);
+  int64_t at = 0;
+  for (size_t i = 0; i < m; ++i) {
+    ascending[i] = check_indices(base + at, world, stride, ks[i], outs[i].numel());
+    at += nbytes[i];
+  }
+  at = 0;
+  for (size_t i = 0; i < m; ++i) {
+    decompress_rows(base + at, world, stride, ks[i], values_offsets[i], ascending[i], wire_like.scalar_type(), scale, outs[i]);
+    at += nbytes[i];
+  }
 }
 
 }  // namespace
@@ -521,6 +639,8 @@ void define_half_route(pybind11::module_& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
   m.def("decompress", &decompress, "the gradient buffer written once: zeros plus the P payloads, scaled");
+  m.def("compress_group", &compress_group, "compress for a bucket's members, their payloads back to back");
+  m.def("decompress_group", &decompress_group, "decompress for a bucket's members from the gathered rows");
   define_sparse_rounds(m);
   define_half_route(m);
 }
