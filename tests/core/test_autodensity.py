@@ -2,6 +2,7 @@
 import pytest
 
 from horovod_topk.core import TopKConfig
+from horovod_topk.core.config import DEFAULT_BUDGET
 from horovod_topk.core.autodensity import (
     DENSITIES,
     FASTER,
@@ -226,6 +227,23 @@ def test_fp16_is_chosen_only_where_the_front_end_sends_it_and_it_is_soonest():
     # a front end that stops sending fp16 (a load) decides afresh instead of keeping it
     again = choose_density(TENSORS, AUTO, m, current=HALF, first=False)
     assert again.ratio != HALF and again.ratio == without.ratio
+
+
+def test_a_sparser_choice_must_be_faster_sooner_even_where_the_current_one_misses_the_budget():
+    """Dense in force and missing the budget by far: fp16 predicted less than FASTER sooner leaves dense in force
+    (the margin that would bring dense back from fp16: otherwise the two trade places at every decision on a job
+    where their steps differ by a window's noise); predicted more than FASTER sooner, it is taken."""
+    m = link(2.4e9, compute=1.0, select=2e-9)
+    free = choose_density(TENSORS, AUTO, m, current=None, first=True, half=True)
+    steps, exposed, budget = free.predicted_s, free.exposed_s, DEFAULT_BUDGET
+    assert exposed["dense"] > budget * steps["dense"] * 1.25  # dense misses the budget by more than the hysteresis
+    for sooner, taken in ((FASTER / 2, None), (2 * FASTER, HALF)):
+        offset = steps["dense"] / (1 + sooner) - steps["fp16"]
+        choice = choose_density(TENSORS, AUTO, m, current=None, first=False, half=True, half_offset_s=offset)
+        assert choice.to_target_s["fp16"] * (1 + sooner) == pytest.approx(choice.to_target_s["dense"])
+        assert choice.ratio == taken, choice.reason
+        if taken is None:
+            assert "kept" in choice.reason and f"{FASTER:.0%} sooner" in choice.reason
 
 
 def test_an_fp16_window_measures_its_own_offset_and_round_trips():
