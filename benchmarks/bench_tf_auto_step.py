@@ -2,10 +2,11 @@
 
     python benchmarks/bench_tf_auto_step.py --steps 300 --rounds 3
     horovodrun -np 2 -H localhost:2 --gloo python benchmarks/bench_tf_auto_step.py --steps 300 --rounds 3
+    scripts/testbed.sh run 4 --rate 100mbit -- "$PWD/.venv/bin/python" benchmarks/bench_tf_auto_step.py --steps 100
 
 The Keras digits CNN (examples/digits_keras.py), a batch of 32, SGD, one ``tf.function`` step through
 ``hvd.DistributedGradientTape``. Alone (``hvd.init()`` in one process) the collectives are local, so what differs
-between the rows is the graph around them (auto: per bucket a ``tf.switch_case`` over its members' routes,
+between the rows is the graph around them (``fp16``: Horovod's own ``Compression.fp16``; auto: per bucket a ``tf.switch_case`` over its members' routes,
 ``auto-per-tensor`` one per compressed tensor; two stamps per tensor, one host tick per step; ``auto-no-fp16`` without
 fp16 among the choices, so without its float16 branch, and the small tensors go to Horovod directly); under horovodrun
 the collectives are real, and the methods are compared side
@@ -35,7 +36,7 @@ from horovod_topk.tensorflow import TopKEF  # noqa: E402
 
 from horovod_topk.tensorflow import auto_density, compressor as tf_compressor  # noqa: E402
 
-METHODS = ("dense", "0.01", "auto", "auto-no-fp16", "auto-per-tensor")
+METHODS = ("dense", "fp16", "0.01", "auto", "auto-no-fp16", "auto-per-tensor")
 #: --ablate: auto with one of its parts replaced, to see what each costs (not a working compressor: timing only)
 ABLATIONS = ("auto-plain-dense", "auto-no-stamps", "auto-no-tick")
 _PARTS = {"call": auto_density.AutoTick._call, "ready": auto_density.AutoTick.ready,
@@ -75,8 +76,9 @@ def step_ms(method: str, steps: int) -> "tuple[float, object]":
     model = digits_cnn()
     opt = tf.keras.optimizers.SGD(0.01)
     buckets = {"bucket_bytes": 0} if method.endswith("-per-tensor") else {}  # every tensor its own switch_case
-    compressor = None if method == "dense" else TopKEF(ratio="auto" if method.startswith("auto") else float(method),
-                                                       **buckets)
+    compressor = (None if method in ("dense", "fp16") else
+                  TopKEF(ratio="auto" if method.startswith("auto") else float(method), **buckets))
+    horovod_fp16 = {"compression": hvd.Compression.fp16} if method == "fp16" else {}
     if method == "auto-no-fp16":  # fp16 not among the choices: no float16 branch, small tensors straight to Horovod
         compressor.auto.half = False
 
@@ -86,7 +88,7 @@ def step_ms(method: str, steps: int) -> "tuple[float, object]":
             logits = model(x)
             loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
         tape = (hvd.DistributedGradientTape(tape, compression=compressor) if compressor is not None
-                else hvd.DistributedGradientTape(tape))
+                else hvd.DistributedGradientTape(tape, **horovod_fp16))
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
@@ -97,7 +99,11 @@ def step_ms(method: str, steps: int) -> "tuple[float, object]":
     for _ in range(steps):
         step()
     ms = (time.perf_counter() - started) / steps * 1e3
-    chosen = compressor.auto.ratio if compressor is not None and compressor.auto is not None else None
+    chosen = None
+    if compressor is not None and compressor.auto is not None:
+        chosen = compressor.auto.ratio
+        if hvd.rank() == 0 and method == "auto":  # what it chose, and why (the last decision's line)
+            print(f"# {method}: {compressor.auto.summary_line()}; history {compressor.auto.history}", flush=True)
     return ms, chosen
 
 

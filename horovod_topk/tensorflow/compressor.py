@@ -229,10 +229,17 @@ class TopKEF(TopKEFBase[Any]):
             outputs.append(prepared)
         dense = functools.partial(self._dense_reduce, op_name=op_name, prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor)
+        # ratio="auto": every gradient's ready stamp before any reduction. TensorFlow runs timestamps in program
+        # order (they are stateful), so a ready stamp made after a bucket's done stamp would wait for that bucket's
+        # collectives, and the step's "last ready" would be the end of the one before last: the wait came out as
+        # the last bucket's alone.
+        ready = {held.step.name: self._auto_tick.ready(held.step.name, held.step.tensor, held.position)
+                 for same_positions in scheduled.values() for _, held in same_positions.values()
+                 if self._auto_tick is not None and held.key[0] == "auto"}
         for same_positions in scheduled.values():
             sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in same_positions.items()]
             for bucket in buckets.assign(sizes_in_order, cap_bytes):
-                self._scheduled_bucket([same_positions[name] for name in bucket], outputs, dense)
+                self._scheduled_bucket([same_positions[name] for name in bucket], outputs, dense, ready)
         sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in waiting.items()]
         for bucket in buckets.assign(sizes_in_order, cap_bytes):
             held = [waiting[name] for name in bucket]
@@ -336,14 +343,15 @@ class TopKEF(TopKEFBase[Any]):
         return _Scheduled(step, schedule, tf.minimum(counters[0], last), ("warmup", at_trace, _route_pattern(schedule)))
 
     def _scheduled_bucket(self, held: Sequence[Tuple[int, "_Scheduled"]], outputs: List[Optional[tf.Tensor]],
-                          dense: Any) -> None:
+                          dense: Any, ready: Dict[str, Any]) -> None:
         """A bucket of members that change route and k per step (a warm-up, ratio="auto"): one ``tf.switch_case``
         branch per combination of the members' routes (core.policy.bucket_routes), each executing the bucket at
         the sizes of the position in force; a bucket of one is the tensor's own switch (:meth:`_scheduled_reduce`).
-        With ratio="auto" each member is stamped for the next decision's measurement."""
+        With ratio="auto" each member is stamped for the next decision's measurement (``ready``: its ready stamp,
+        made by start_group before any reduction)."""
         members = [member for _, member in held]
         tick = self._auto_tick if members[0].key[0] == "auto" else None
-        stamps = [tick.ready(m.step.name, m.step.tensor, m.position) for m in members] if tick is not None else []
+        stamps = [ready[m.step.name] for m in members] if tick is not None else []
         if len(members) == 1:
             reduced = [self._scheduled_reduce(members[0].step, members[0].schedule, members[0].position, dense)]
         else:
