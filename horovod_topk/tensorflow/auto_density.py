@@ -185,9 +185,9 @@ class AutoTick:
 
         The tick comes in through an op of this graph: the reductions are built inside Horovod's ``tf.cond``, and a
         control dependency on a tensor of an outer graph is only recorded for the branch function's call, which
-        does not keep it -- the stamp then ran before the tick of its own step had read the last step's stamps,
-        so the tick read a mix of two steps, saw a done before its ready and recorded no wait at all (ratio="auto"
-        then took every step for compute and stayed dense over 100 Mbit/s)."""
+        does not keep it: the stamp would run while the tick still reads the last step's stamps, the tick would
+        read a mix of two steps, see a done before its ready and record no wait at all (ratio="auto" would take
+        every step for compute and stay dense over 100 Mbit/s)."""
         position = tf.identity(position)
         with tf.control_dependencies([tensor, position]):
             now = tf.timestamp()

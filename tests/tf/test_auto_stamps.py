@@ -2,8 +2,8 @@
 (tensorflow.auto_density.AutoTick) sit where they must in the graph. Every gradient's ready stamp runs after the
 step's tick (else the tick reads a mix of two steps' stamps) and waits for no reduction (TensorFlow runs
 timestamps in program order, so a ready stamp made after a bucket's done stamp waits for that bucket's
-collectives). Both mistakes were made, and each made the wait read ~0 over a slow link, so auto took every step for
-compute and stayed dense where fp16 and 0.01 were 0.5-0.7x dense's step (docs/auto-density.md)."""
+collectives). Either mistake makes the wait read ~0 over a slow link, so that auto takes every step for compute and
+stays dense where fp16 and 0.01 are 0.5-0.7x dense's step (docs/auto-density.md)."""
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
