@@ -231,11 +231,12 @@ class TopKEF(TopKEFBase[Any]):
                                   postscale_factor=postscale_factor)
         # ratio="auto": every gradient's ready stamp before any reduction. TensorFlow runs timestamps in program
         # order (they are stateful), so a ready stamp made after a bucket's done stamp would wait for that bucket's
-        # collectives, and the step's "last ready" would be the end of the one before last: the wait came out as
-        # the last bucket's alone.
-        ready = {held.step.name: self._auto_tick.ready(held.step.name, held.step.tensor, held.position)
-                 for same_positions in scheduled.values() for _, held in same_positions.values()
-                 if self._auto_tick is not None and held.key[0] == "auto"}
+        # collectives, and the step's "last ready" would be the end of the one before last: the wait would come out
+        # as the last bucket's alone.
+        tick = self._auto_tick
+        ready = {} if tick is None else {
+            held.step.name: tick.ready(held.step.name, held.step.tensor, held.position)
+            for same_positions in scheduled.values() for _, held in same_positions.values() if held.key[0] == "auto"}
         for same_positions in scheduled.values():
             sizes_in_order = [(name, held.step.dense_nbytes) for name, (_, held) in same_positions.items()]
             for bucket in buckets.assign(sizes_in_order, cap_bytes):

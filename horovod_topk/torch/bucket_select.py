@@ -18,8 +18,9 @@ Where grouping applies (:func:`groupable`): members (one is enough) whose backen
 and residuals, one wire dtype, the plain payload layout, no DGC momentum. On the CPU (:func:`fused_groupable`) the
 fused kernel takes the whole bucket in one call too (FusedBackend.compress_group, decompress_group): the same
 per-member passes, without the Python around each member's call. Anything else (compact payloads, mixed wire
-dtypes) is selected member by member. One member is a group too: a large embedding or classifier alone in its DDP bucket gains no launches from it, but a group's
-steps can be kept and replayed (torch.steady_bucket, torch.bucket_graph), which member-by-member steps cannot.
+dtypes) is selected member by member. One member is a group too: a large embedding or classifier alone in its DDP
+bucket gains no launches from it, but a group's steps can be kept and replayed (torch.steady_bucket,
+torch.bucket_graph), which member-by-member steps cannot.
 """
 from __future__ import annotations
 

@@ -586,7 +586,8 @@ std::vector<int64_t> compress_group(std::vector<torch::Tensor> residuals, std::v
                                     std::vector<int64_t> seeds) {
   const size_t m = residuals.size();
   TORCH_CHECK(grads.size() == m && ks.size() == m && values_offsets.size() == m && nbytes.size() == m &&
-              sample_sizes.size() == m && seeds.size() == m && (momenta.empty() || momenta.size() == m), "compress_group: one entry per member");
+                  sample_sizes.size() == m && seeds.size() == m && (momenta.empty() || momenta.size() == m),
+              "compress_group: one entry per member");
   TORCH_CHECK(payload.is_contiguous() && payload.scalar_type() == at::kByte, "payload: contiguous uint8");
   int64_t total = 0;
   for (const int64_t b : nbytes) total += b;
