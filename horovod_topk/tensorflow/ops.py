@@ -21,6 +21,7 @@ __all__ = [
     "Sampling",
     "sample_geometry",
     "sampled_top_k_indices",
+    "to_wire",
     "compensate_and_select",
     "compensate_nonfinite",
     "error_feedback_step",
@@ -74,6 +75,20 @@ def sampled_top_k_indices(magnitude: tf.Tensor, k: Size, stride: Size, q: Size) 
     return tf.cond(tf.size(candidates) >= k, among_candidates, over_everything)
 
 
+def to_wire(values: tf.Tensor, wire_dtype: tf.DType) -> tf.Tensor:
+    """``values`` as they travel in ``wire_dtype``: finite ones clamped to its largest finite magnitude first where
+    it is narrower than theirs, so that a value beyond float16's 65504 travels as 65504, not as an Inf that would
+    leave an Inf in the residual (the excess stays there instead, as rounding does); NaN and Inf as they are. The
+    same rule as PyTorch's (horovod_topk.torch.ops.to_wire)."""
+    if values.dtype == wire_dtype or not wire_dtype.is_floating:
+        return tf.cast(values, wire_dtype)
+    limit = wire_dtype.max
+    if values.dtype.max > limit:
+        values = tf.where(tf.math.is_inf(values), values,
+                          tf.clip_by_value(values, tf.constant(-limit, values.dtype), tf.constant(limit, values.dtype)))
+    return tf.cast(values, wire_dtype)
+
+
 def compensate_and_select(
     grad: tf.Tensor, residual: tf.Tensor, k: Size, wire_dtype: tf.DType, sampling: Sampling = None
 ) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -90,7 +105,7 @@ def compensate_and_select(
     else:
         _, indices = tf.math.top_k(tf.abs(compensated), k=k, sorted=False)
     picked = tf.gather(compensated, indices)
-    values = tf.cast(picked, wire_dtype)
+    values = to_wire(picked, wire_dtype)
     new_residual = tf.tensor_scatter_nd_update(
         compensated, indices[:, None], picked - tf.cast(values, compensated.dtype)
     )

@@ -168,7 +168,7 @@ def _own_body(received: tf.Tensor, residual: tf.Tensor, send: "Layout", kept: "L
         empty = tf.maximum(kept.k - slots, 0)
         kept_indices = tf.concat([kept_indices, tf.fill([empty], -1)], 0)
         kept_sums = tf.concat([kept_sums, tf.zeros([empty], acc_dtype)], 0)
-    kept_values = tf.cast(kept_sums, wire_dtype)
+    kept_values = ops.to_wire(kept_sums, wire_dtype)  # P ranks' sum may pass float16's range: clamped
     # the owner re-sends its sums rounded to the wire dtype: the rounding stays here, in its residual
     residual = _add_to_residual(residual, kept_indices, kept_sums - tf.cast(kept_values, acc_dtype))
     return ops.pack(kept_indices, kept_values, kept), residual

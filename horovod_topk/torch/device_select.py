@@ -46,6 +46,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import ops
+
 __all__ = ["magnitude_keys", "kth_largest_key", "first_indices", "top_k_indices", "compensate_and_select"]
 
 _RADIX_BITS = 11
@@ -146,7 +148,7 @@ def compensate_and_select(
     _, bits = _KEY[residual.dtype]
     indices = top_k_indices(magnitude_keys(residual), k, bits)
     picked = residual.index_select(0, indices)
-    values = picked.to(wire_dtype)
+    values = ops.to_wire(picked, wire_dtype)  # clamped to the wire's range: never an Inf into the residual
 
     # The non-finite case, decided on the device: the first k non-finite entries, the first one repeated.
     bad = ~finite

@@ -14,14 +14,29 @@ import torch
 
 from ..core.payload import PayloadLayout
 
-__all__ = ["residual_dtype", "compensate_and_select", "compensate_nonfinite", "pack", "unpack", "scatter_sum",
-           "add_leftovers"]
+__all__ = ["residual_dtype", "to_wire", "compensate_and_select", "compensate_nonfinite", "pack", "unpack",
+           "scatter_sum", "add_leftovers"]
 
 
 def residual_dtype(grad_dtype: torch.dtype) -> torch.dtype:
     """Residuals accumulate many small unsent updates: keep them in float32 even for fp16/bf16 gradients (in
     half precision an update smaller than the residual's last bit would be lost), float64 for float64."""
     return torch.float64 if grad_dtype == torch.float64 else torch.float32
+
+
+def to_wire(values: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as they travel in ``wire_dtype``: clamped to its largest finite magnitude first where it is
+    narrower than theirs. Why: a finite value beyond float16's 65504 (a residual that grew, a gradient under an AMP
+    loss scale) would otherwise travel as an Inf, and ``value - sent`` would put an Inf into the residual, which
+    then never leaves it (every later step sends it, and AMP skips every step). Clamped, the excess stays in the
+    residual as rounding does, and goes out on later steps. NaN and Inf travel as they are (a non-finite sum must
+    reach every rank's update, as with a dense allreduce)."""
+    if values.dtype == wire_dtype or not wire_dtype.is_floating_point:
+        return values.to(wire_dtype)
+    limit = torch.finfo(wire_dtype).max
+    if torch.finfo(values.dtype).max > limit:
+        values = torch.where(torch.isinf(values), values, values.clamp(-limit, limit))
+    return values.to(wire_dtype)
 
 
 def compensate_and_select(
@@ -52,7 +67,7 @@ def compensate_and_select(
         residual.add_(grad.reshape(-1))
     indices = torch.topk(residual.abs(), k, sorted=False).indices.sort().values
     picked = residual[indices]
-    values = picked.to(wire_dtype)
+    values = to_wire(picked, wire_dtype)
     residual[indices] = picked - values.to(residual.dtype)
     if momentum_buffer is not None:
         momentum_buffer[indices] = 0

@@ -318,9 +318,10 @@ class _Group:
         kept_sums = torch.where(valid, _take(sums, chosen), torch.zeros((), dtype=self.acc_dtype, device=at.device))
         view_index, view_value = out.view(torch.int32), out.view(self.wire_dtype)
         view_index[geo.own_index] = kept_local.to(torch.int32)
-        view_value[geo.own_value] = kept_sums.to(self.wire_dtype)
+        wire_sums = ops.to_wire(kept_sums, self.wire_dtype)  # P ranks' sum may pass float16's range: clamped
+        view_value[geo.own_value] = wire_sums
         if self.wire_dtype != self.acc_dtype:  # the owner re-sends its sums rounded: the rounding stays here
-            rounding = kept_sums - kept_sums.to(self.wire_dtype).to(self.acc_dtype)
+            rounding = kept_sums - wire_sums.to(self.acc_dtype)
             for j, request in enumerate(self.requests):
                 s, e = geo.kept_bounds[j], geo.kept_bounds[j + 1]
                 _add_to_residual(request.residual, kept_local[s:e].clamp(min=0), rounding[s:e], valid[s:e])

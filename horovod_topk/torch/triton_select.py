@@ -93,6 +93,18 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _clamp_to(x, dtype: tl.constexpr):
+    """float32 ``x`` within ``dtype``'s largest finite magnitude where it is finite (ops.to_wire: a larger value
+    would travel as an Inf and leave an Inf in the residual; clamped, the excess stays there)."""
+    if dtype == tl.float16:
+        return tl.where(x - x == 0, tl.minimum(tl.maximum(x, -65504.0), 65504.0), x)
+    if dtype == tl.bfloat16:
+        limit = 3.3895313892515355e38
+        return tl.where(x - x == 0, tl.minimum(tl.maximum(x, -limit), limit), x)
+    return x
+
+
+@triton.jit
 def _block_of(block_seg_ptr, block_start_ptr, seg_start_ptr, seg_numel_ptr, BLOCK: tl.constexpr):
     """(block, its tensor, where the tensor starts in the group, positions within the tensor, which are inside):
     positions are int32 within a tensor, so per-lane address arithmetic stays 32-bit."""
@@ -206,7 +218,8 @@ def _write_kernel(resid_ptr, grad_ptr, block_seg_ptr, block_start_ptr, seg_start
     send = (first & (first_rank < tl.load(k_ptr + seg))) | (tie & (tie_rank < wanted))
     r = tl.load(resid_ptr + local, mask=inside, other=0.0)
     g = tl.load(grad_ptr + local, mask=inside & bad, other=0.0).to(tl.float32)
-    value = _round_to(tl.where(bad, g, r), value_ptr.dtype.element_ty)
+    wire: tl.constexpr = value_ptr.dtype.element_ty
+    value = _round_to(tl.where(bad, g, _clamp_to(r, wire)), wire)
     tl.store(index_ptr + tl.load(index_at_ptr + seg) + place, local, mask=send)
     tl.store(value_ptr + tl.load(value_at_ptr + seg) + place, value, mask=send)
     tl.store(resid_ptr + local, r - value.to(tl.float32), mask=send & ~bad)

@@ -94,6 +94,37 @@ def test_error_feedback_is_exact_over_all_ranks(op_name, value_dtype):
     assert _sent_by_sparse_allreduce(compressor, ratio, 2 if value_dtype == "float16" else 4)
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_values_beyond_float16_travel_clamped_and_the_excess_follows(exchange):
+    """value_dtype="float16" with gradients past 65504: every rank applies the same finite update, no residual
+    holds an Inf, error feedback stays exact over all ranks, and the excess goes out on the following steps (every
+    rank's entry 11 is 60000, so the sparse allreduce's owner re-sends a sum past 65504; each rank's own entry
+    passes it alone). As in PyTorch (tests/parallel_torch/test_torch_sparse_allreduce.py)."""
+    compressor = TopKEF(ratio=0.05, min_numel=0, dense_fallback=False, value_dtype="float16", exchange=exchange)
+    reduce = _reducer([(3000,)], compressor, hvd.Sum)
+    grad = np.random.RandomState(hvd.rank()).randn(3000).astype(np.float32)
+    grad[11] = 60000.0
+    grad[2000:2000 + hvd.size()] = 0.0
+    grad[2000 + hvd.rank()] = 1e5
+    old, applied_total = np.zeros(3000), np.zeros(3000)
+    for step in range(4):
+        (out,) = reduce([tf.constant(grad)])
+        out = out.numpy().astype(np.float64)
+        (new,) = _residuals_by_shape(compressor).values()
+        assert np.isfinite(out).all() and np.isfinite(new).all()
+        tag = f"range.{exchange}.{step}"
+        rows = hvd.allgather(tf.constant(out[None]), name=f"{tag}.out").numpy()
+        assert all(np.array_equal(rows[0], row) for row in rows), "every rank must apply the same update"
+        before = hvd.allreduce(tf.constant(old + grad.astype(np.float64)), op=hvd.Sum, name=f"{tag}.before").numpy()
+        residuals = hvd.allreduce(tf.constant(new), op=hvd.Sum, name=f"{tag}.res").numpy()
+        np.testing.assert_allclose(residuals + out, before, rtol=0, atol=0.05)
+        applied_total += out
+        old, grad = new, np.zeros(3000, np.float32)  # the following steps send what stayed
+    assert applied_total[11] == pytest.approx(60000.0 * hvd.size(), abs=0.05), "the excess went out"
+    for rank in range(hvd.size()):
+        assert applied_total[2000 + rank] == pytest.approx(1e5, abs=0.05)
+
+
 def test_a_nan_on_one_rank_reaches_every_rank_and_never_enters_a_residual():
     compressor = TopKEF(ratio=0.05, min_numel=0, exchange="sparse_allreduce")
     reduce = _reducer([(4000,)], compressor, hvd.Average)

@@ -97,6 +97,37 @@ def test_nonfinite_gradient_reaches_every_rank_and_stays_out_of_residuals():
 
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "sparse_allreduce"])
+def test_values_beyond_float16_travel_clamped_and_the_excess_follows(exchange):
+    """value_dtype="float16" with gradients past 65504 (a gradient under an AMP loss scale, a residual that grew):
+    nothing travels as an Inf that no rank had, no residual holds one, every rank applies the same finite update,
+    error feedback stays exact over all ranks, and the excess goes out on the following steps. Every rank's entry 11
+    is 60000, so the sparse allreduce's owner re-sends a sum past 65504 too; each rank's own entry passes it alone."""
+    compressor = TopKEF(ratio=0.05, min_numel=0, value_dtype="float16", exchange=exchange)
+    grad = torch.randn(3000, generator=torch.Generator().manual_seed(hvd.rank()))
+    grad[11] = 60000.0
+    grad[2000:2000 + hvd.size()] = 0.0
+    grad[2000 + hvd.rank()] = 1e5
+    applied_total = torch.zeros(3000, dtype=torch.float64)
+    for step in range(4):
+        record = compressor.registry.records.get("w")
+        old = record.residual.double() if record is not None else torch.zeros(3000, dtype=torch.float64)
+        before = hvd.allreduce(old + grad.double(), op=hvd.Sum, name=f"range.before.{exchange}.{step}")
+        out = _invariant_step(compressor, {"w": grad.clone()}, hvd.Sum, None)["w"]
+        residual = compressor.registry.records["w"].residual
+        assert bool(torch.isfinite(out).all()), "a finite gradient must not average to an Inf"
+        assert bool(torch.isfinite(residual).all()), "no Inf in a residual"
+        same = hvd.allgather(out.unsqueeze(0), name=f"range.out.{exchange}.{step}")
+        assert torch.equal(same[0], same[-1]), "every rank must apply the same update"
+        total_residual = hvd.allreduce(residual.double(), op=hvd.Sum, name=f"range.res.{exchange}.{step}")
+        torch.testing.assert_close(total_residual + out.double(), before, rtol=0, atol=0.05)
+        applied_total += out.double()
+        grad = torch.zeros(3000)  # the following steps send what stayed
+    assert float(applied_total[11]) == pytest.approx(60000.0 * hvd.size(), abs=0.05), "the excess went out"
+    for rank in range(hvd.size()):
+        assert float(applied_total[2000 + rank]) == pytest.approx(1e5, abs=0.05)
+
+
 def test_loading_a_state_forgets_the_reductions_of_an_abandoned_step():
     """Horovod elastic loads the last commit after a failure; the phase-1 handles of the step that failed belong
     to the old Horovod context, so the next tensor must not poll them (it did: "Handle ... was not created or has

@@ -94,6 +94,18 @@ def test_half_precision_wire_keeps_the_rounding_in_the_residual(wire):
     check_steps([5000, 3000], [50, 300], ["gaussian", "heavy_tailed"], wire=wire)
 
 
+@pytest.mark.parametrize("wire,beyond", [(torch.float16, 70000.0), (torch.bfloat16, 3.4e38)])
+def test_values_beyond_the_wire_range_travel_clamped_as_device_select_sends_them(wire, beyond):
+    """A value past the wire's range travels as its largest finite value and the excess stays in the residual
+    (ops.to_wire): the same bytes and residuals as device_select, and none of them an Inf."""
+    def large(step, grads):
+        if step == 0:
+            grads[0][[3, 4000]] = torch.tensor([beyond, -beyond])
+            grads[1][17] = beyond
+
+    check_steps([5000, 3000], [50, 30], ["gaussian"], wire=wire, poison=large)
+
+
 @pytest.mark.parametrize("bad_count", [1, 7, 80])
 def test_a_nonfinite_tensor_sends_its_nonfinite_entries_and_the_others_are_unaffected(bad_count):
     def poison(step, grads):

@@ -35,6 +35,29 @@ def test_half_precision_rounding_stays_in_the_residual(dtype):
     np.testing.assert_allclose(_sent_dense(indices, values, 4096) + new_residual.numpy(), compensated, atol=1e-6)
 
 
+@pytest.mark.parametrize("sampling", [None, "sampled"])
+@pytest.mark.parametrize("wire,beyond,limit", [(tf.float16, 70000.0, 65504.0),
+                                               (tf.bfloat16, 3.4e38, 3.3895313892515355e38)])
+def test_a_value_beyond_the_wire_range_travels_clamped_and_the_excess_stays(wire, beyond, limit, sampling):
+    """As in PyTorch (tests/pytorch/test_wire_range.py): a finite value never travels as an Inf, and never leaves an
+    Inf in the residual; the excess stays there and error feedback stays exact."""
+    grad = np.random.RandomState(2).randn(4000).astype(np.float32)
+    grad[7], grad[1234] = beyond, -beyond
+    k = 40
+    geometry = ops.sample_geometry(4000, k, 400) if sampling else None
+    indices, values, residual = ops.compensate_and_select(tf.constant(grad), tf.zeros(4000), k, wire, geometry)
+    values64 = tf.cast(values, tf.float64).numpy()
+    assert np.all(np.isfinite(values64)) and np.all(np.isfinite(residual.numpy()))
+    sent = dict(zip(indices.numpy().tolist(), values64.tolist()))
+    assert sent[7] == limit and sent[1234] == -limit
+    total = residual.numpy().astype(np.float64)
+    np.add.at(total, indices.numpy(), values64)
+    assert np.array_equal(total, grad.astype(np.float64))
+    clamped = ops.to_wire(tf.constant([float("inf"), float("nan"), -beyond]), wire)
+    assert np.isposinf(tf.cast(clamped, tf.float64).numpy()[0]) and np.isnan(tf.cast(clamped, tf.float64).numpy()[1])
+    assert tf.cast(clamped, tf.float64).numpy()[2] == -limit
+
+
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.bfloat16, tf.float64])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_pack_unpack_round_trip(dtype, k):

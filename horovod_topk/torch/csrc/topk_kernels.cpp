@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -311,6 +312,36 @@ typename MagnitudeKey<R>::type kth_candidate(const Candidates<R>& cand, int64_t 
   return kth;
 }
 
+// A selected value as it travels: clamped to the wire type's largest finite magnitude where the wire is
+// narrower than the residual (float16: 65504). Cast as it is, a larger value -- a residual that grew, a gradient
+// under an AMP loss scale -- would travel as an Inf and leave value - Inf = -Inf in the residual, where it stays:
+// every later step sends it and AMP skips every step. Clamped, the excess stays in the residual as rounding does.
+template <typename W>
+struct WireMax {  // float, double
+  static constexpr double value = static_cast<double>(std::numeric_limits<W>::max());
+};
+template <>
+struct WireMax<c10::Half> {
+  static constexpr double value = 65504.0;
+};
+template <>
+struct WireMax<c10::BFloat16> {
+  static constexpr double value = 3.3895313892515355e38;  // (2 - 2^-7) * 2^127
+};
+
+template <typename W, typename R>
+inline W to_wire(R v) {
+  if constexpr (std::is_same<W, R>::value) {
+    return v;
+  } else {
+    if constexpr (WireMax<W>::value < static_cast<double>(std::numeric_limits<R>::max())) {
+      const R limit = static_cast<R>(WireMax<W>::value);
+      if (std::isfinite(v)) v = v > limit ? limit : (v < -limit ? -limit : v);  // NaN/Inf travel as they are
+    }
+    return static_cast<W>(v);
+  }
+}
+
 template <typename R, typename G, typename W>
 std::vector<int64_t> compress_impl(const torch::Tensor& residual, const torch::Tensor& grad, const torch::Tensor* momentum_buf,
                    double momentum, int64_t k, int64_t values_offset, uint8_t* base, int64_t nbytes, int64_t sample_size,
@@ -442,7 +473,7 @@ std::vector<int64_t> compress_impl(const torch::Tensor& residual, const torch::T
   constexpr bool rounds = !std::is_same<W, R>::value;
   for (int64_t i = 0; i < k; ++i) {
     const R v = cand.value[i];
-    const W w = static_cast<W>(v);
+    const W w = to_wire<W, R>(v);
     values[i] = w;
     if (rounds || u != nullptr) {
       if (i + 32 < k) {
