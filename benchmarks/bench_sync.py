@@ -12,6 +12,7 @@ after the warm-up rounds (first steps run the rank agreement checks and allocate
 
     python benchmarks/bench_sync.py                                   # ResNet-50 and GPT-2 small shapes, 2 workers
     python benchmarks/bench_sync.py --models resnet50-25.6M --rounds 7
+    python benchmarks/bench_sync.py --models resnet50-25.6M --methods topk --rounds 30 --phases   # where it goes
     python benchmarks/bench_sync.py --workers 4 --models resnet50-25.6M \\
         --methods topk-allgather topk-sparse_allreduce topk-allgather-per-tensor topk-sparse_allreduce-per-tensor
 
@@ -65,6 +66,11 @@ def worker(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
 
+    from phase_timer import PhaseTimer, summary
+
+    timer = PhaseTimer()
+    if args.phases:
+        timer.install()
     hvd.init()
     torch.set_num_threads(1)
     shapes = MODELS[args.model]()
@@ -81,6 +87,7 @@ def worker(args: argparse.Namespace) -> None:
                                                        compression=compression), compression)
     residuals = [torch.zeros_like(g) for g in grads]
     times: Dict[str, List[float]] = {m: [] for m in args.methods}
+    phases: Dict[str, List[Dict[str, float]]] = {m: [] for m in args.methods}
     elementwise: List[float] = []
 
     def slowest(seconds: float) -> float:
@@ -94,8 +101,10 @@ def worker(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             opt.synchronize()
             took = slowest(time.perf_counter() - started)
+            rows = timer.take()
             if round_ >= args.warmup:
                 times[method].append(took)
+                phases[method].extend(rows)
         hvd.allreduce(torch.zeros(1), name="bench_sync.barrier")  # both ranks' passes share the memory, as in sync
         started = time.perf_counter()
         for _ in range(ELEMENTWISE_PASSES):
@@ -115,6 +124,7 @@ def worker(args: argparse.Namespace) -> None:
             "bytes_per_step": {m: s["bytes_sent"] / steps for m, s in stats.items()},
             "buckets": {m: s.get("buckets") for m, s in stats.items()},
             "exchanges": {m: s["exchanges"] for m, s in stats.items()},
+            "phases_rank0": {m: summary(rows) for m, rows in phases.items() if rows},
         }), flush=True)
     hvd.shutdown()
 
@@ -129,6 +139,9 @@ def main() -> None:
                         help="TopKEF's bucket_bytes for the bucketed methods (default: its own, 25 MiB)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--phases", action="store_true",
+                        help="also time rank 0's synchronize() by phase (phase_timer.py): selection kernels, adding "
+                             "back, Horovod's waits, the rest")
     parser.add_argument("--json", help="also write the raw rows here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -142,7 +155,8 @@ def main() -> None:
         command = ["horovodrun", "-np", str(args.workers), "-H", f"localhost:{args.workers}", "--gloo",
                    sys.executable, __file__, "--worker", "--model", model, "--ratio", str(args.ratio),
                    "--bucket-bytes", str(args.bucket_bytes),
-                   "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--methods", *args.methods]
+                   "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--methods", *args.methods,
+                   *(["--phases"] if args.phases else [])]
         out = subprocess.run(command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
         lines = [l for l in out.stdout.splitlines() if "RESULT " in l]
         if out.returncode != 0 or not lines:
@@ -166,6 +180,14 @@ def main() -> None:
                    else ", ".join(f"{n} {e}" for e, n in (row["exchanges"].get(method) or {}).items()) or "Horovod")
             print(f"| {row['model']} ({row['tensors']}) | {method} | {sync:.1f} | {unit:.1f} | {sync / unit:.2f}x | "
                   f"{sent_text} | {how} |")
+    if args.phases:
+        print("\nRank 0's synchronize() by phase (medians over rounds, ms; phase_timer.py):")
+        print("| model | method | synchronize() | selection kernels | adding back | Horovod's waits | rest (Python) |")
+        print("|---|---|---|---|---|---|---|")
+        for row in rows:
+            for method, p in row["phases_rank0"].items():
+                print(f"| {row['model']} | {method} | {p['synchronize']:.1f} | {p['select']:.1f} | "
+                      f"{p['add back']:.1f} | {p['wait']:.1f} | {p['rest']:.1f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
