@@ -378,9 +378,11 @@ def main() -> None:
             rate = testbed_rate(method)
             launch = ([str(ROOT / "scripts" / "testbed.sh"), "run", p, "--rate", rate, "--"] if rate else
                       ["horovodrun", "-np", p, "-H", f"localhost:{p}"])
-            subprocess.run(launch + [sys.executable, __file__, "--worker", task, method, str(seed), "--budget",
-                                     args.budget, "--out", str(out_dir), "--workers", p],
-                           check=True, capture_output=True, text=True)
+            # the workers' output is kept beside the result (a stall or a warning is read there afterwards)
+            with open(path.with_suffix(".log"), "w") as log:
+                subprocess.run(launch + [sys.executable, __file__, "--worker", task, method, str(seed), "--budget",
+                                         args.budget, "--out", str(out_dir), "--workers", p],
+                               check=True, stdout=log, stderr=subprocess.STDOUT, text=True)
         r = json.loads(path.read_text())
         print(f"[{n}/{len(runs)}] {task:<14} {method:<17} seed {seed}: {r['metric']} {r['final']:.4f} "
               f"({r['seconds']:.0f} s)", flush=True)
