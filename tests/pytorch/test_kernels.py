@@ -198,7 +198,13 @@ def test_decompress_equals_the_reference_scatter(world, n, offset):
 
 def _reference_decompress(out, indices, values, scale):
     """What decompress computes, entry by entry in payload order: out = 0, then out[i] = O(float(out[i]) +
-    float(scale * double(v))) for each payload's entries in turn."""
+    float(scale * double(v))) for each payload's entries in turn; a float64 output sums in float64."""
+    if out.dtype == torch.float64:
+        expected = torch.zeros(out.numel(), dtype=torch.float64)
+        for idx, val in zip(indices, values):
+            for i, c in zip(idx.tolist(), (val.double() * scale).tolist()):
+                expected[i] += c
+        return expected
     expected = torch.zeros(out.numel(), dtype=torch.float32)
     for idx, val in zip(indices, values):
         contribution = (val.double() * scale).float()
@@ -423,3 +429,39 @@ def test_a_group_call_names_what_does_not_fit():
     with pytest.raises(RuntimeError, match="one entry per member"):
         K.compress_group(residuals, grads[:3], [], 0.0, ks, [layout.values_offset for layout in layouts],
                          [layout.nbytes for layout in layouts], short, torch.empty(0), [2048] * 4, [0] * 4)
+
+
+def test_a_layout_too_small_for_its_values_is_refused_before_anything_is_written():
+    """A payload layout made for another value size (2-byte values, float32 on the wire) would write past its
+    member: compress, a group and decompress refuse it by name, and a group touches no member's residual."""
+    grads, residuals, ks = _members(7)
+    narrow = [PayloadLayout(k, 2) for k in ks]
+    payload = torch.empty(sum(layout.nbytes for layout in narrow), dtype=torch.uint8)
+    before = [r.clone() for r in residuals]
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        K.compress_group(residuals, grads, [], 0.0, ks, [layout.values_offset for layout in narrow],
+                         [layout.nbytes for layout in narrow], payload, torch.empty(0), [2048] * 4, [0] * 4)
+    assert all(torch.equal(r, b) for r, b in zip(residuals, before))
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        K.compress(residuals[0], grads[0], None, 0.0, ks[0], narrow[0].values_offset,
+                   torch.empty(narrow[0].nbytes, dtype=torch.uint8), torch.empty(0), 2048, 0)
+    rows = torch.zeros(2, payload.numel(), dtype=torch.uint8)
+    outs = [g.clone() for g in grads]
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        K.decompress_group(rows, ks, [layout.values_offset for layout in narrow], [layout.nbytes for layout in narrow],
+                           torch.empty(0), 0.5, outs)
+    assert all(torch.equal(o, g) for o, g in zip(outs, grads))
+
+
+def test_a_group_with_one_member_it_cannot_take_touches_none():
+    """The last member's gradient is of a dtype the kernel does not take: the call raises before the first
+    member's entries leave its residual (its payload would be dropped with them)."""
+    grads, residuals, ks = _members(8)
+    grads[-1] = grads[-1].to(torch.int32)
+    layouts = [PayloadLayout(k, 4) for k in ks]
+    payload = torch.empty(sum(layout.nbytes for layout in layouts), dtype=torch.uint8)
+    before = [r.clone() for r in residuals]
+    with pytest.raises(RuntimeError, match="unsupported gradient dtype"):
+        K.compress_group(residuals, grads, [], 0.0, ks, [layout.values_offset for layout in layouts],
+                         [layout.nbytes for layout in layouts], payload, torch.empty(0), [2048] * 4, [0] * 4)
+    assert all(torch.equal(r, b) for r, b in zip(residuals, before))

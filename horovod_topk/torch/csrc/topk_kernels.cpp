@@ -490,7 +490,11 @@ std::vector<int64_t> compress_impl(const torch::Tensor& residual, const torch::T
 
 template <typename O, typename W>
 inline void add_scaled(O& x, W v, double scale) {
-  x = static_cast<O>(static_cast<float>(x) + static_cast<float>(scale * static_cast<double>(v)));
+  if constexpr (std::is_same<O, double>::value) {  // a float64 gradient's average keeps float64's precision
+    x += scale * static_cast<double>(v);
+  } else {
+    x = static_cast<O>(static_cast<float>(x) + static_cast<float>(scale * static_cast<double>(v)));
+  }
 }
 
 // Whether the P payloads' indices (rank p's at ``base + p * stride``) lie in [0, n) -- throws if not: a bad payload
@@ -570,16 +574,40 @@ void decompress_impl(const uint8_t* base, int64_t world, int64_t stride, int64_t
     default: TORCH_CHECK(false, "horovod-topk: unsupported gradient dtype ", DT);               \
   }
 
+bool supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Whether ``k`` indices and values of ``wire`` fit a payload of ``nbytes`` whose values start at ``values_offset``
+// (core.payload's layout) -- throws if not: a layout made for another value size must not write past its member.
+void check_layout(int64_t k, int64_t values_offset, int64_t nbytes, at::ScalarType wire) {
+  TORCH_CHECK(supported_float(wire), "horovod-topk: unsupported wire dtype ", wire);
+  TORCH_CHECK(k >= 1 && 4 * k <= values_offset && values_offset + k * static_cast<int64_t>(c10::elementSize(wire)) <= nbytes,
+              "horovod-topk: a payload of ", nbytes, " bytes with values at ", values_offset, " cannot hold ", k,
+              " entries of ", wire);
+}
+
+// Everything compress_into requires of one member, checked before any member of a group is touched: an error in
+// the last member must not leave the first ones' entries taken out of their residuals with their payload dropped.
+void check_member(const torch::Tensor& residual, const torch::Tensor& grad, const torch::Tensor* momentum_buf, int64_t k,
+                  int64_t values_offset, int64_t nbytes, at::ScalarType wire) {
+  TORCH_CHECK(residual.is_contiguous() && grad.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(residual.device().is_cpu() && grad.device().is_cpu(), "horovod-topk kernels run on CPU tensors");
+  TORCH_CHECK(residual.numel() == grad.numel() && k >= 1 && k <= residual.numel(), "bad sizes");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat || residual.scalar_type() == at::kDouble,
+              "residual must be float32 or float64");
+  TORCH_CHECK(supported_float(grad.scalar_type()), "horovod-topk: unsupported gradient dtype ", grad.scalar_type());
+  TORCH_CHECK(momentum_buf == nullptr || (momentum_buf->is_contiguous() && momentum_buf->numel() == residual.numel() &&
+                                          momentum_buf->scalar_type() == residual.scalar_type()), "momentum buffer");
+  check_layout(k, values_offset, nbytes, wire);
+}
+
 // Returns (candidates of the first scan, candidates kept for selection, scans): how good the estimate was; or
 // (-1, non-finite entries, 1) when the gradient had NaN/Inf and those went out instead (see compress_impl).
 std::vector<int64_t> compress_into(const torch::Tensor& residual, const torch::Tensor& grad, const torch::Tensor* momentum_buf,
                                    double momentum, int64_t k, int64_t values_offset, uint8_t* base, int64_t nbytes,
                                    at::ScalarType wire, int64_t sample_size, int64_t seed) {
-  TORCH_CHECK(residual.is_contiguous() && grad.is_contiguous(), "contiguous tensors");
-  TORCH_CHECK(residual.device().is_cpu() && grad.device().is_cpu(), "horovod-topk kernels run on CPU tensors");
-  TORCH_CHECK(residual.numel() == grad.numel() && k >= 1 && k <= residual.numel(), "bad sizes");
-  TORCH_CHECK(momentum_buf == nullptr || (momentum_buf->is_contiguous() && momentum_buf->numel() == residual.numel() &&
-                                          momentum_buf->scalar_type() == residual.scalar_type()), "momentum buffer");
+  check_member(residual, grad, momentum_buf, k, values_offset, nbytes, wire);
   std::vector<int64_t> info;
   if (residual.scalar_type() == at::kDouble) {
     TOPK_DISPATCH_GRAD(grad.scalar_type(), G, [&] {
@@ -626,6 +654,10 @@ std::vector<int64_t> compress_group(std::vector<torch::Tensor> residuals, std::v
   std::vector<int64_t> first(m);
   uint8_t* at = payload.data_ptr<uint8_t>();
   const auto wire = wire_like.scalar_type();
+  for (size_t i = 0; i < m; ++i) {  // every member first: nothing is touched if one cannot be done
+    check_member(residuals[i], grads[i], momenta.empty() ? nullptr : &momenta[i], ks[i], values_offsets[i], nbytes[i],
+                 wire);
+  }
   for (size_t i = 0; i < m; ++i) {
     first[i] = compress_into(residuals[i], grads[i], momenta.empty() ? nullptr : &momenta[i], momentum, ks[i],
                              values_offsets[i], at, nbytes[i], wire, sample_sizes[i], seeds[i])[0];
@@ -634,9 +666,13 @@ std::vector<int64_t> compress_group(std::vector<torch::Tensor> residuals, std::v
   return first;
 }
 
+void check_out(const torch::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && out.device().is_cpu(), "out: a contiguous CPU tensor");
+  TORCH_CHECK(supported_float(out.scalar_type()), "horovod-topk: unsupported gradient dtype ", out.scalar_type());
+}
+
 void decompress_rows(const uint8_t* base, int64_t world, int64_t stride, int64_t k, int64_t values_offset,
                      bool ascending, at::ScalarType wire, double scale, torch::Tensor& out) {
-  TORCH_CHECK(out.is_contiguous() && out.device().is_cpu(), "out: a contiguous CPU tensor");
   TOPK_DISPATCH_GRAD(out.scalar_type(), O, [&] {
     TOPK_DISPATCH_WIRE(wire, W, [&] { decompress_impl<O, W>(base, world, stride, k, values_offset, ascending, scale, out); });
   });
@@ -644,8 +680,11 @@ void decompress_rows(const uint8_t* base, int64_t world, int64_t stride, int64_t
 
 void decompress(torch::Tensor gathered, int64_t world, int64_t k, int64_t values_offset, int64_t nbytes,
                 torch::Tensor wire_like, double scale, torch::Tensor out) {
-  TORCH_CHECK(gathered.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(gathered.is_contiguous() && gathered.device().is_cpu() && gathered.scalar_type() == at::kByte,
+              "gathered: contiguous uint8 on the CPU");
   TORCH_CHECK(gathered.numel() == world * nbytes, "gathered payload size");
+  check_layout(k, values_offset, nbytes, wire_like.scalar_type());
+  check_out(out);
   const uint8_t* base = gathered.data_ptr<uint8_t>();
   const bool ascending = check_indices(base, world, nbytes, k, out.numel());
   decompress_rows(base, world, nbytes, k, values_offset, ascending, wire_like.scalar_type(), scale, out);
@@ -658,7 +697,8 @@ void decompress_group(torch::Tensor rows, std::vector<int64_t> ks, std::vector<i
                       std::vector<int64_t> nbytes, torch::Tensor wire_like, double scale, std::vector<torch::Tensor> outs) {
   const size_t m = outs.size();
   TORCH_CHECK(ks.size() == m && values_offsets.size() == m && nbytes.size() == m, "decompress_group: one entry per member");
-  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.stride(1) == 1, "rows: P x bytes, uint8");
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.stride(1) == 1 && rows.device().is_cpu(),
+              "rows: P x bytes, uint8 on the CPU");
   int64_t total = 0;
   for (const int64_t b : nbytes) total += b;
   TORCH_CHECK(rows.size(1) == total, "decompress_group: rows of ", rows.size(1), " bytes for members of ", total);
@@ -667,6 +707,8 @@ void decompress_group(torch::Tensor rows, std::vector<int64_t> ks, std::vector<i
   std::vector<uint8_t> ascending(m);
   int64_t at = 0;
   for (size_t i = 0; i < m; ++i) {
+    check_layout(ks[i], values_offsets[i], nbytes[i], wire_like.scalar_type());
+    check_out(outs[i]);
     ascending[i] = check_indices(base + at, world, stride, ks[i], outs[i].numel());
     at += nbytes[i];
   }
