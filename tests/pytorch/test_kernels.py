@@ -431,17 +431,23 @@ def test_a_group_call_names_what_does_not_fit():
                          [layout.nbytes for layout in layouts], short, torch.empty(0), [2048] * 4, [0] * 4)
 
 
+def _group_refused(residuals, grads, ks, layouts, match):
+    """compress_group over ``layouts`` raises ``match``, and no member's residual changed."""
+    payload = torch.empty(sum(layout.nbytes for layout in layouts), dtype=torch.uint8)
+    before = [r.clone() for r in residuals]
+    with pytest.raises(RuntimeError, match=match):
+        K.compress_group(residuals, grads, [], 0.0, ks, [layout.values_offset for layout in layouts],
+                         [layout.nbytes for layout in layouts], payload, torch.empty(0), [2048] * 4, [0] * 4)
+    assert all(torch.equal(r, b) for r, b in zip(residuals, before))
+    return payload
+
+
 def test_a_layout_too_small_for_its_values_is_refused_before_anything_is_written():
     """A payload layout made for another value size (2-byte values, float32 on the wire) would write past its
     member: compress, a group and decompress refuse it by name, and a group touches no member's residual."""
     grads, residuals, ks = _members(7)
     narrow = [PayloadLayout(k, 2) for k in ks]
-    payload = torch.empty(sum(layout.nbytes for layout in narrow), dtype=torch.uint8)
-    before = [r.clone() for r in residuals]
-    with pytest.raises(RuntimeError, match="cannot hold"):
-        K.compress_group(residuals, grads, [], 0.0, ks, [layout.values_offset for layout in narrow],
-                         [layout.nbytes for layout in narrow], payload, torch.empty(0), [2048] * 4, [0] * 4)
-    assert all(torch.equal(r, b) for r, b in zip(residuals, before))
+    payload = _group_refused(residuals, grads, ks, narrow, "cannot hold")
     with pytest.raises(RuntimeError, match="cannot hold"):
         K.compress(residuals[0], grads[0], None, 0.0, ks[0], narrow[0].values_offset,
                    torch.empty(narrow[0].nbytes, dtype=torch.uint8), torch.empty(0), 2048, 0)
@@ -458,10 +464,4 @@ def test_a_group_with_one_member_it_cannot_take_touches_none():
     member's entries leave its residual (its payload would be dropped with them)."""
     grads, residuals, ks = _members(8)
     grads[-1] = grads[-1].to(torch.int32)
-    layouts = [PayloadLayout(k, 4) for k in ks]
-    payload = torch.empty(sum(layout.nbytes for layout in layouts), dtype=torch.uint8)
-    before = [r.clone() for r in residuals]
-    with pytest.raises(RuntimeError, match="unsupported gradient dtype"):
-        K.compress_group(residuals, grads, [], 0.0, ks, [layout.values_offset for layout in layouts],
-                         [layout.nbytes for layout in layouts], payload, torch.empty(0), [2048] * 4, [0] * 4)
-    assert all(torch.equal(r, b) for r, b in zip(residuals, before))
+    _group_refused(residuals, grads, ks, [PayloadLayout(k, 4) for k in ks], "unsupported gradient dtype")
