@@ -24,7 +24,9 @@ from torch import nn
 
 __all__ = ["LMTask", "make_task", "corpus", "TASKS"]
 
-TASKS = ("charlm", "gptlm")
+TASKS = ("charlm", "gptlm", "charlm-sgd")
+#: charlm-sgd's learning rate (SGD, momentum 0.9).
+SGD_LR = 1.0
 
 
 def corpus(size: int = 2_000_000) -> Tuple[torch.Tensor, torch.Tensor, str]:
@@ -108,12 +110,14 @@ class LMTask:
         self.vx, self.vy = self.vx.to(self.device), self.vy.to(self.device)
 
     def model(self) -> nn.Module:
-        return CharGRU() if self.name == "charlm" else TinyGPT(context=self.seq)
+        return CharGRU() if self.name.startswith("charlm") else TinyGPT(context=self.seq)
 
     def optimizer(self, model: nn.Module, steps: int) -> Tuple[torch.optim.Optimizer, Optional[Any]]:
         """The user's optimizer (and schedule, stepped once per step); the same for every method."""
         if self.name == "charlm":
             return torch.optim.Adam(model.parameters(), lr=3e-3 * self.lr_scale), None
+        if self.name == "charlm-sgd":  # the same GRU under SGD with momentum: what the optimizer alone changes
+            return torch.optim.SGD(model.parameters(), lr=SGD_LR * self.lr_scale, momentum=0.9), None
         decay = [p for p in model.parameters() if p.dim() >= 2]
         rest = [p for p in model.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay}, {"params": rest, "weight_decay": 0.0}],
@@ -155,7 +159,7 @@ def make_task(name: str, **options: Any) -> LMTask:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; one of {TASKS}")
     # the transformer sees shorter windows: a step costs about what a GRU step costs on one core
-    return LMTask(name, **options) if name == "charlm" else LMTask(name, seq=64, **options)
+    return LMTask(name, **options) if name.startswith("charlm") else LMTask(name, seq=64, **options)
 
 
 if __name__ == "__main__":
