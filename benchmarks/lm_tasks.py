@@ -25,7 +25,8 @@ from torch import nn
 __all__ = ["LMTask", "make_task", "corpus", "TASKS"]
 
 TASKS = ("charlm", "gptlm", "charlm-sgd")
-#: charlm-sgd's learning rate (SGD, momentum 0.9).
+#: charlm-sgd's learning rate (SGD, momentum 0.9): the best of 0.5 / 1 / 2 / 4 for dense at 400 steps on 2
+#: simulated workers, seed 0 (validation loss 1.568 / 1.511 / 12.6 / 21.9; 2026-11-28).
 SGD_LR = 1.0
 
 

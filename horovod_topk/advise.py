@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from horovod_topk.core.autodensity import HALF, label, prior_sparsity_cost, steps_factor
+from horovod_topk.core.autodensity import HALF, label, steps_factor
 from horovod_topk.core.config import DEFAULT_SPARSITY_COST, INDEX_BITS, VALUE_DTYPES, TopKConfig
 from horovod_topk.core.costmodel import (
     latency_bytes,
@@ -241,10 +241,8 @@ def _auto_summary(pred: Prediction, config: TopKConfig) -> str:
 
 def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, config: TopKConfig, *,
            grad_itemsize: int = 4, overlap: float = 0.0, t_compress_s: float = 0.0,
-           sparse_available: bool = True, sparsity_cost: float = DEFAULT_SPARSITY_COST,
-           ) -> Tuple[List[Tuple[str, Optional[Prediction], str]], List[str]]:
-    """The rows of the table ((name, prediction or None, why not)) and the lines under it. ``sparsity_cost``: the
-    prior the to-the-target line prices the ratio with (ratio="auto"'s for the job's optimizer)."""
+           sparse_available: bool = True) -> Tuple[List[Tuple[str, Optional[Prediction], str]], List[str]]:
+    """The rows of the table ((name, prediction or None, why not)) and the lines under it."""
     kwargs = dict(grad_itemsize=grad_itemsize, overlap=overlap, t_compress_s=t_compress_s,
                   sparse_available=sparse_available)
     rows: List[Tuple[str, Optional[Prediction], str]] = []
@@ -278,7 +276,7 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
         else:
             notes.append(f"does not pay: TopKEF auto {_ms(auto.t_step_s)} ms per step against "
                          f"{_ms(best_dense.t_step_s)} ms for {label}")
-        notes.append(to_target_note(auto.t_step_s, best_dense.t_step_s, label, config.ratio, sparsity_cost))
+        notes.append(to_target_note(auto.t_step_s, best_dense.t_step_s, label, config.ratio))
         sparse = [r for r in auto.routes if r.route == SPARSE_ALLREDUCE]
         if sparse:
             notes.append(sparse_allreduce_note(len(sparse), workers, config.ratio))
@@ -433,10 +431,6 @@ def check(data: dict, link_defaults: Link, base: TopKConfig, *, overlap: float, 
 # ---- command line ------------------------------------------------------------------------------------------------
 
 
-#: --optimizer's choices: a class each stands for (core.autodensity.prior_sparsity_cost reads it).
-OPTIMIZER_CLASSES = {"sgd": "torch.optim.sgd.SGD", "adam": "torch.optim.adam.Adam"}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m horovod_topk.advise", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -468,9 +462,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--value-dtype", choices=[v for v in VALUE_DTYPES if v], help="TopKConfig.value_dtype")
     p.add_argument("--index-bits", type=int, choices=INDEX_BITS, default=32, help="TopKConfig.index_bits")
     p.add_argument("--no-dense-fallback", action="store_true", help="TopKConfig.dense_fallback=False")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_CLASSES), default="adam",
-                   help="the job's optimizer: which prior prices the steps a sparser ratio needs, as ratio='auto' "
-                        "does (sgd: SGD with or without momentum; adam: the Adam family and any other; default adam)")
     p.add_argument("--framework", choices=("torch", "tensorflow"), default="torch",
                    help="both have the same exchanges and choose them alike (kept for scripts that pass it)")
     return p
@@ -519,8 +510,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = replace(config, collective_latency_bytes=latency_bytes(link))
     try:
         rows, notes = advise(tensors, args.workers, link, args.compute, config, grad_itemsize=args.grad_bytes,
-                             overlap=args.overlap, t_compress_s=args.compress_time, sparse_available=sparse_available,
-                             sparsity_cost=prior_sparsity_cost(OPTIMIZER_CLASSES[args.optimizer]))
+                             overlap=args.overlap, t_compress_s=args.compress_time, sparse_available=sparse_available)
     except ValueError as e:
         parser.error(str(e))
     print(f"{what}: {len(tensors)} tensors, {sum(n for _, n in tensors):,} parameters, {args.grad_bytes}-byte "

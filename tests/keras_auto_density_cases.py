@@ -57,7 +57,6 @@ def test_auto_density_in_fit_follows_each_decision_with_identical_ranks(monkeypa
     stats = compressor.stats()
     assert stats["steps"] == STEPS and stats["bytes_sent"] < stats["bytes_dense"]
     assert stats["auto"]["decisions"] >= 2 and stats["exchanges"]
-    assert stats["auto"]["sparsity_cost_from"] == "SGD"  # the wrapper showed the compressor its optimizer
 
 
 def test_auto_density_in_update_mode_follows_each_decision_with_identical_ranks(monkeypatch):
@@ -71,7 +70,6 @@ def test_auto_density_in_update_mode_follows_each_decision_with_identical_ranks(
     assert _same_on_every_rank(weights, "auto.update.fit")
     stats = compressor.stats()
     assert stats["bytes_sent"] < stats["bytes_dense"] and stats["exchanges"]
-    assert stats["auto"]["sparsity_cost_from"] == "Adam"
 
 
 def test_auto_density_in_update_mode_through_fp16_keeps_ranks_identical(monkeypatch):

@@ -42,7 +42,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .config import DEFAULT_SPARSITY_COST, SGD_SPARSITY_COST, TopKConfig
+from .config import TopKConfig
 from .costmodel import Link, collectives_per_step, comm_time, route_tensors
 from .exchange import COLLECTIVES, DENSE, DENSE_HALF, SPARSE_ALLREDUCE
 from .policy import RouteSchedule, TensorPlan, plan_tensor, route_schedule
@@ -61,8 +61,6 @@ __all__ = [
     "choose_density",
     "steps_factor",
     "to_target",
-    "SGD_OPTIMIZERS",
-    "prior_sparsity_cost",
     "AutoDensity",
     "CHOICES",
     "choice_index",
@@ -96,24 +94,6 @@ WINDOW_STEPS = 10
 SETTLE_STEPS = 2
 #: Columns of one rank's measurement row (reduced with max over ranks).
 COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry", "lone_s")
-
-
-#: Plain SGD, with or without momentum (qualified class names, torch and Keras): the optimizers ratio="auto" prices
-#: with SGD_SPARSITY_COST when the user leaves sparsity_cost unset.
-SGD_OPTIMIZERS = frozenset({
-    "torch.optim.sgd.SGD",
-    "keras.src.optimizers.sgd.SGD", "tf_keras.src.optimizers.sgd.SGD",
-    "keras.src.optimizers.legacy.gradient_descent.SGD", "tf_keras.src.optimizers.legacy.gradient_descent.SGD",
-})
-
-
-def prior_sparsity_cost(class_name: Optional[str]) -> float:
-    """The sparsity cost ratio="auto" prices densities with under optimizer ``class_name`` (qualified; None where
-    the front end never sees the optimizer) when the user left ``sparsity_cost`` unset. Why by optimizer: the
-    steps a density costs were measured to depend on it -- under SGD error feedback delays entries but keeps
-    the update linear in them (exponent ~0 on the models measured), under Adam-family optimizers the late
-    entries meet a second moment that did not see them (0.03-0.13). A wrong guess costs time, never correctness."""
-    return SGD_SPARSITY_COST if class_name in SGD_OPTIMIZERS else DEFAULT_SPARSITY_COST
 
 
 def choice_index(ratio: Density) -> int:
@@ -305,13 +285,11 @@ def choose_density(
     grad_itemsize: int = 4,
     half: bool = False,
     half_offset_s: float = 0.0,
-    sparsity_cost: Optional[float] = None,
 ) -> Choice:
     """The density for the next steps (None: dense; HALF: dense in float16, a candidate only where ``half``). Pure:
     every rank computes it from the same numbers.
 
-    Time to the target is step time x steps_factor (``sparsity_cost``, else ``config.sparsity_cost``, else
-    DEFAULT_SPARSITY_COST; 0: step time alone). The largest
+    Time to the target is step time x steps_factor (``config.sparsity_cost``; 0: step time alone). The largest
     density (dense first) whose exposed communication fits ``config.budget`` of the step, unless a denser one is
     predicted to reach the target sooner (then the soonest of those); if none fits, the densest within FASTER of
     the soonest to the target (with sparsity_cost 0: within the budget of the fastest step, the budget standing in
@@ -327,9 +305,7 @@ def choose_density(
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
                                       hidden_s=hidden_s, offset_s=offset_s, grad_itemsize=grad_itemsize,
                                       half_offset_s=half_offset_s)
-    cost = sparsity_cost if sparsity_cost is not None else config.sparsity_cost
-    cost = DEFAULT_SPARSITY_COST if cost is None else float(cost)
-    time = to_target(steps, cost)
+    time = to_target(steps, float(config.sparsity_cost or 0.0))
 
     def choice(ratio: Density, why: str) -> Choice:
         return Choice(ratio, why, steps, exposed, time)
@@ -348,7 +324,7 @@ def choose_density(
         # 0 "near" is the budget, a proxy for what entries not sent cost; a positive cost prices that already, so
         # only a FASTER tie goes to the denser one.
         soonest = min(time[label(r)] for r in order)
-        near = budget if not cost else FASTER
+        near = budget if not config.sparsity_cost else FASTER
         best = next(r for r in order if time[label(r)] <= soonest * (1 + near) + 1e-12)
         why = "nothing fits the budget: the densest near the soonest to the target"
     sooner = [r for r in order[:order.index(best)] if time[label(r)] < time[label(best)]]
@@ -388,9 +364,6 @@ class AutoDensity:
     config: TopKConfig
     #: Whether this front end sends HALF (dense in float16), so that auto may choose it.
     half: bool = False
-    #: The optimizer's qualified class name where the front end saw it (None: not seen): what prices the densities
-    #: when config.sparsity_cost is unset (prior_sparsity_cost).
-    optimizer: Optional[str] = None
     #: The density in force (None: dense; HALF: dense in float16). Dense until the first decision.
     ratio: Density = None
     #: Steps begun since construction or load (the global step of this compressor).
@@ -416,20 +389,6 @@ class AutoDensity:
     _wait: float = 0.0
     _compress: float = 0.0
     _samples: List[Tuple[float, float, float]] = field(default_factory=list)
-
-    @property
-    def sparsity_cost(self) -> float:
-        """The exponent densities are priced with: the user's, else the optimizer's prior."""
-        if self.config.sparsity_cost is not None:
-            return float(self.config.sparsity_cost)
-        return prior_sparsity_cost(self.optimizer)
-
-    @property
-    def sparsity_cost_from(self) -> str:
-        """Where :attr:`sparsity_cost` comes from, for the log line and stats()."""
-        if self.config.sparsity_cost is not None:
-            return "set"
-        return self.optimizer.rsplit(".", 1)[-1] if self.optimizer else "optimizer not seen"
 
     # ---- per step --------------------------------------------------------------------------------------------
     def begin(self, step: int, now: float) -> bool:
@@ -494,7 +453,7 @@ class AutoDensity:
             self.offset_s = m.period_s - before[label(self.ratio)]
         choice = choose_density(tensors, self.config, m, current=self.ratio, first=first, compute_s=self.compute_s,
                                 hidden_s=self.hidden_s, offset_s=self.offset_s, grad_itemsize=grad_itemsize,
-                                half=self.half, half_offset_s=self.half_offset_s, sparsity_cost=self.sparsity_cost)
+                                half=self.half, half_offset_s=self.half_offset_s)
         changed = first or choice.ratio != self.ratio
         if changed:
             self.history = (self.history + [(self.step, label(choice.ratio))])[-HISTORY_KEPT:]
@@ -576,7 +535,7 @@ class AutoDensity:
                 f"measured step {last.get('measured_step_s', 0) * 1e3:.0f} ms; predicted {shown}; "
                 f"-> {label(self.ratio) if self.ratio is None or self.ratio == HALF else f'ratio {self.ratio:g}'} "
                 f"({last.get('reason')}; budget "
-                f"{self.config.budget:.0%}, sparsity_cost {self.sparsity_cost:g}: {self.sparsity_cost_from})")
+                f"{self.config.budget:.0%}, sparsity_cost {self.config.sparsity_cost:g})")
 
     # ---- state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -608,6 +567,5 @@ class AutoDensity:
 
     def stats(self) -> Dict[str, Any]:
         return {"ratio": self.ratio, "decisions": self.decisions, "changes": self.changes,
-                "sparsity_cost": self.sparsity_cost, "sparsity_cost_from": self.sparsity_cost_from,
                 "next_decision": self.next_decision, "last": dict(self.last),
                 "history": [list(entry) for entry in self.history]}

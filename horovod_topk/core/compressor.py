@@ -15,7 +15,7 @@ import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, Generic, Iterable, List, Mapping, Optional, Tuple, TypeVar
 
-from .autodensity import AutoDensity, Measurement, prior_sparsity_cost
+from .autodensity import AutoDensity, Measurement
 from .config import TopKConfig
 from .pending import PendingReduction, mark
 from .registry import ErrorFeedbackRegistry
@@ -77,9 +77,6 @@ class CompressorState(abc.ABC, Generic[R]):
         self.registry: ErrorFeedbackRegistry[R] = ErrorFeedbackRegistry()
         #: Reports every config.log_every steps (core.telemetry).
         self.telemetry = Telemetry(self.config.log_every, summary_writer)
-        #: The optimizer (qualified class name) a front end saw this compressor wrapped with: what ratio="auto"
-        #: prices densities by when sparsity_cost is unset (note_optimizer).
-        self._optimizer: Optional[str] = None
         #: With ratio="auto": the density in force and the measurements it is chosen from (core.autodensity).
         self.auto: Optional[AutoDensity] = self._new_auto()
 
@@ -89,19 +86,7 @@ class CompressorState(abc.ABC, Generic[R]):
 
     def _new_auto(self) -> Optional[AutoDensity]:
         """A fresh ratio="auto" state (None under a fixed ratio)."""
-        return AutoDensity(self.config, half=self._sends_half, optimizer=self._optimizer) if self.config.auto else None
-
-    def note_optimizer(self, class_name: str) -> None:
-        """A front end saw this compressor wrapped with the optimizer ``class_name`` (qualified): with
-        ratio="auto" and sparsity_cost unset, densities are priced by its prior
-        (core.autodensity.prior_sparsity_cost). One compressor given to optimizers of different priors keeps the
-        higher (an Adam-family optimizer's): pricing sparse densities too high costs bytes, too low costs steps.
-        Every rank wraps the same optimizers, so every rank prices alike; a rank that did not would choose another
-        density, which the rank agreement check after each decision reports."""
-        if self._optimizer is None or prior_sparsity_cost(class_name) > prior_sparsity_cost(self._optimizer):
-            self._optimizer = class_name
-        if self.auto is not None:
-            self.auto.optimizer = self._optimizer
+        return AutoDensity(self.config, half=self._sends_half) if self.config.auto else None
 
     def _report_if_due(self, completed_steps: int, rank: Optional[int] = None) -> None:
         """Called before a tensor starts step ``completed_steps + 1``: the telemetry report of the steps so far,

@@ -14,7 +14,7 @@ from .buckets import DEFAULT_BUCKET_BYTES
 from .exchange import COLLECTIVE_LATENCY_BYTES, EXCHANGES
 
 __all__ = ["TopKConfig", "MAX_COMPRESSED_NUMEL", "SELECTORS", "VALUE_DTYPES", "INDEX_BITS", "TARGETS", "SECOND_MOMENTS",
-           "AUTO", "DEFAULT_BUDGET", "DEFAULT_AUTO_EVERY", "DEFAULT_SPARSITY_COST", "SGD_SPARSITY_COST"]
+           "AUTO", "DEFAULT_BUDGET", "DEFAULT_AUTO_EVERY", "DEFAULT_SPARSITY_COST"]
 
 #: "sampled": threshold estimated on a strided sample, one fused pass, exactly k kept (fast, the default);
 #: "exact": the framework's top-k over all entries (the reference).
@@ -53,15 +53,8 @@ DEFAULT_AUTO_EVERY = 200
 #: 1.26x): steps to 1.01x dense's loss measured on Adam-trained language models gave exponents 0.10-0.13 in
 #: gradient mode (the GRU at 0.1 and 0.025, the transformer at 0.1 and 0.027, converged budgets) and 0.03-0.11 in
 #: update mode; the digits CNN under SGD reached dense's accuracy at 0.01 in dense's epochs (exponent ~0).
-#: docs/auto-density.md, "Steps to the target". The prior for every optimizer but plain SGD, and wherever the front
-#: end does not see the optimizer (a gradient tape, a DDP hook without update_mode_optimizer).
+#: docs/auto-density.md, "Steps to the target".
 DEFAULT_SPARSITY_COST = 0.1
-#: With ratio="auto" under plain SGD (with or without momentum): the prior when the user leaves sparsity_cost unset
-#: and the front end sees the optimizer (core.autodensity.prior_sparsity_cost). Error feedback keeps SGD's
-#: convergence rate (its steps are linear in the gradient, so an entry held back arrives later, whole); Adam's
-#: per-coordinate normalisation is what makes late entries cost steps. Measured: docs/auto-density.md, "The prior
-#: chosen from the optimizer".
-SGD_SPARSITY_COST = 0.0
 
 #: Entries per shared second-moment value unless the user says otherwise (core.update_mode says why this size).
 DEFAULT_SECOND_MOMENT_BLOCK = 256
@@ -89,9 +82,8 @@ class TopKConfig:
         auto_every (int): with ratio="auto", steps between decisions once settled. Default 200.
         sparsity_cost (float): with ratio="auto", how many more steps a sparser density is taken to need to the
             same loss: density d needs d ** -sparsity_cost times dense's steps, and auto chooses by predicted time
-            to the target (step time x steps). In [0, 1]; 0 chooses by step time alone. Unset (the default): chosen
-            from the optimizer where the front end sees it -- SGD_SPARSITY_COST for plain SGD, else 0.1 (measured
-            on Adam-trained language models; also where the optimizer is not seen).
+            to the target (step time x steps). In [0, 1]; default 0.1 (measured on Adam-trained language models);
+            0 chooses by step time alone (models that train as well sparse, e.g. CNNs under SGD).
         k (int, optional): a fixed number of entries per tensor instead of a ratio (capped at the tensor's size).
             Fixed k keeps every rank's payload the same size, as ``ratio`` does too.
         min_numel (int): tensors with fewer elements go through Horovod's ordinary dense allreduce. Biases and
@@ -275,9 +267,9 @@ class TopKConfig:
             raise ValueError(f"budget must be a share of the step in (0, 1), got {budget!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"auto_every must be a positive number of steps, got {every!r}")
-        cost = self.sparsity_cost  # None: chosen from the optimizer (core.autodensity.prior_sparsity_cost)
-        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not (
-                math.isfinite(cost) and 0.0 <= cost <= 1.0)):
+        cost = DEFAULT_SPARSITY_COST if self.sparsity_cost is None else self.sparsity_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not (
+                math.isfinite(cost) and 0.0 <= cost <= 1.0):
             raise ValueError(f"sparsity_cost must be an exponent in [0, 1] (density d takes d ** -sparsity_cost "
                              f"times dense's steps), got {cost!r}")
         if self.k is not None:
@@ -286,7 +278,7 @@ class TopKConfig:
             raise ValueError("ratio='auto' runs its first steps dense while it measures: leave warmup_steps at 0")
         object.__setattr__(self, "budget", float(budget))
         object.__setattr__(self, "auto_every", every)
-        object.__setattr__(self, "sparsity_cost", None if cost is None else float(cost))
+        object.__setattr__(self, "sparsity_cost", float(cost))
 
     @property
     def auto(self) -> bool:

@@ -49,13 +49,8 @@ def _keras_target(compression: Any, optimizer: Any, blockers: Sequence[str] = ()
     optimizer counts as the optimizer it wraps): "update" or "gradient"."""
     if not _uses_topk(compression):
         return "gradient"
-    return resolve_target(_compressor(compression).config, _optimizer_class(optimizer), blockers)
-
-
-def _optimizer_class(optimizer: Any) -> str:
-    """The qualified class name of a Keras ``optimizer`` (a loss-scale optimizer: the one it wraps)."""
     inner = type(getattr(optimizer, "inner_optimizer", optimizer))
-    return f"{inner.__module__}.{inner.__qualname__}"
+    return resolve_target(_compressor(compression).config, f"{inner.__module__}.{inner.__qualname__}", blockers)
 
 
 def _refuse_update_mode(compression: Any, message: str) -> None:
@@ -260,8 +255,6 @@ def install() -> None:
     def create_distributed_optimizer(**kwargs: Any) -> Any:
         """What both DistributedOptimizers build a Keras optimizer with (Horovod 0.28.1 passes keywords only)."""
         refuse_unsupported_op(_uses_topk(kwargs.get("compression")), kwargs.get("op"), Average, Sum, Adasum)
-        if _uses_topk(kwargs.get("compression")):  # ratio="auto" prices densities by the optimizer
-            _compressor(kwargs["compression"]).note_optimizer(_optimizer_class(kwargs.get("optimizer")))
         bpps = kwargs.get("backward_passes_per_step", 1)
         blockers = [] if _update_mode(kwargs.get("compression")) else (
             (["backward_passes_per_step"] if bpps != 1 else []) + (["op"] if kwargs.get("op", Average) != Average else []))

@@ -198,11 +198,9 @@ def update_mode_optimizer(optimizer: torch.optim.Optimizer, state: Any) -> torch
     returned as it is and the hook keeps averaging gradients. Call it before the first backward (the hook decides
     per bucket what to do with the gradients) and before building a learning-rate scheduler on the optimizer
     (schedulers wrap ``optimizer.step``)."""
-    user_class = type(optimizer)
-    class_name = f"{user_class.__module__}.{user_class.__qualname__}"
-    state.note_optimizer(class_name)  # ratio="auto" prices densities by it
     if state.config.target == "auto" and state.target != "update":
-        if resolve_target(state.config, class_name) != "update":
+        user_class = type(optimizer)
+        if resolve_target(state.config, f"{user_class.__module__}.{user_class.__qualname__}") != "update":
             return optimizer
         if any(record.steps for _, record in state.registry):
             raise ValueError("horovod-topk: update_mode_optimizer must wrap the optimizer before the first backward: "

@@ -266,7 +266,6 @@ def install() -> None:
         distributed = horovod_distributed_optimizer(*bound.args, **bound.kwargs)
         user_class = type(optimizer)
         class_name = f"{user_class.__module__}.{user_class.__qualname__}"
-        compressor.note_optimizer(class_name)  # ratio="auto" prices densities by it
         sums = arguments["op"] == Sum and class_name in NORMALISING_OPTIMIZERS  # update mode refuses it: see there
         target = resolve_target(compressor.config, class_name, ["op=hvd.Sum"] if sums else [])
         if target == "gradient":

@@ -316,22 +316,6 @@ def test_auto_through_the_sparse_allreduce_says_what_it_costs_in_convergence(cap
     assert "ratio=1 (x10.0" in capped and "is the largest ratio and comes closest to" in capped
 
 
-def test_the_to_target_line_prices_the_ratio_with_the_optimizers_prior(capsys):
-    """--optimizer: the advisor prices the steps a ratio needs with the prior ratio="auto" takes for that optimizer
-    (SGD's: no more steps; Adam's: 0.01 ** -0.1 = 1.58x)."""
-    lines = {}
-    for optimizer in ("adam", "sgd"):
-        assert advise.main(["--model", "resnet50", "--workers", "8", "--bandwidth", "1gbit", "--compute", "200ms",
-                            "--optimizer", optimizer]) == 0
-        lines[optimizer] = next(line for line in capsys.readouterr().out.splitlines() if "to the target" in line)
-    assert "taken to need 1.58x dense's steps (ratio ** -0.1" in lines["adam"]
-    assert "taken to need 1.00x dense's steps (ratio ** -0," in lines["sgd"]
-    with pytest.raises(SystemExit):
-        advise.main(["--model", "resnet50", "--workers", "8", "--bandwidth", "1gbit", "--compute", "200ms",
-                     "--optimizer", "lamb"])
-    assert "invalid choice: 'lamb'" in capsys.readouterr().err
-
-
 def test_check_predicts_an_auto_row_as_the_density_it_chose_and_compares_what_auto_measured():
     data = {"model": "m", "tensors": [["w", 1_000_000], ["b", 1000]], "grad_bytes": 4, "rows": [
         {"workers": 2, "rate": "1gbit", "rate_bps": 1e9, "method": "auto", "t_compute_s": 0.02, "t_step_s": 0.04,

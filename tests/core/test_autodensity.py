@@ -13,10 +13,8 @@ from horovod_topk.core.autodensity import (
     Measurement,
     choose_density,
     predict_steps,
-    prior_sparsity_cost,
     steps_factor,
 )
-from horovod_topk.core.config import DEFAULT_SPARSITY_COST, SGD_SPARSITY_COST
 from horovod_topk.core.consistency import fingerprint, mismatch_message
 
 TENSORS = [(f"w{i}", 1_000_000) for i in range(25)] + [(f"b{i}", 1000) for i in range(25)]
@@ -52,8 +50,7 @@ def test_bad_auto_options_name_the_option(options, match):
 
 
 def test_auto_fills_its_defaults_and_round_trips():
-    # sparsity_cost unset: chosen from the optimizer where the front end sees it (the prior's tests below)
-    assert (AUTO.budget, AUTO.auto_every, AUTO.sparsity_cost, AUTO.auto) == (0.1, 200, None, True)
+    assert (AUTO.budget, AUTO.auto_every, AUTO.sparsity_cost, AUTO.auto) == (0.1, 200, 0.1, True)
     assert TopKConfig.from_dict(AUTO.to_dict()) == AUTO
     assert "ratio='auto'" in AUTO.describe()
 
@@ -125,42 +122,6 @@ def test_a_higher_sparsity_cost_never_chooses_a_sparser_density():
     # over a slow link compression still pays for its steps: dense's step is ~8x the sparse one's
     slow = choose_density(TENSORS, AUTO, _balanced(1e8), current=None, first=True)
     assert slow.ratio is not None and slow.to_target_s[slow.label] < slow.to_target_s["dense"] / 3
-
-
-@pytest.mark.parametrize("class_name, cost", [
-    ("torch.optim.sgd.SGD", SGD_SPARSITY_COST),
-    ("keras.src.optimizers.sgd.SGD", SGD_SPARSITY_COST),
-    ("tf_keras.src.optimizers.legacy.gradient_descent.SGD", SGD_SPARSITY_COST),
-    ("torch.optim.adam.Adam", DEFAULT_SPARSITY_COST),
-    ("torch.optim.adamw.AdamW", DEFAULT_SPARSITY_COST),
-    ("keras.src.optimizers.adam.Adam", DEFAULT_SPARSITY_COST),
-    ("torch.optim.rmsprop.RMSprop", DEFAULT_SPARSITY_COST),  # any optimizer not known to tolerate sparsity
-    (None, DEFAULT_SPARSITY_COST),  # the front end never saw it
-])
-def test_the_prior_comes_from_the_optimizer(class_name, cost):
-    assert prior_sparsity_cost(class_name) == cost
-    auto = AutoDensity(AUTO, optimizer=class_name)
-    assert auto.sparsity_cost == cost and auto.stats()["sparsity_cost"] == cost
-    # the user's own exponent wins over any optimizer's
-    assert AutoDensity(TopKConfig(ratio="auto", sparsity_cost=0.05), optimizer=class_name).sparsity_cost == 0.05
-
-
-def test_sgd_prices_densities_by_step_time_and_adam_by_time_to_target():
-    """Over a link where a density saves less per step than Adam's prior says it costs in steps, the decision
-    follows the optimizer: SGD's compresses (its steps cost nothing more), Adam's keeps dense; the log line and
-    stats() say which prior priced it."""
-    raw, _, _ = predict_steps(TENSORS, AUTO, _balanced(6e9), compute_s=0.3, hidden_s=0.0, offset_s=0.0)
-    m = link(6e9, compute=0.3, select=2e-9, period=raw["dense"])  # dense's window: its communication exposed
-    sgd, adam = AutoDensity(AUTO, optimizer="torch.optim.sgd.SGD"), AutoDensity(AUTO, optimizer="torch.optim.adam.Adam")
-    for auto in (sgd, adam):
-        auto.begin(0, 0.0)
-        auto.step = SETTLE_STEPS + WINDOW_STEPS
-        auto.decide(TENSORS, m)
-    assert sgd.ratio is not None and adam.ratio is None, (sgd.ratio, adam.ratio)
-    assert "sparsity_cost 0: SGD)" in sgd.summary_line() and "sparsity_cost 0.1: Adam)" in adam.summary_line()
-    assert sgd.stats()["sparsity_cost_from"] == "SGD"
-    unseen = AutoDensity(AUTO)
-    assert unseen.sparsity_cost == DEFAULT_SPARSITY_COST and unseen.sparsity_cost_from == "optimizer not seen"
 
 
 def test_a_denser_choice_sooner_to_the_target_replaces_the_largest_that_fits():

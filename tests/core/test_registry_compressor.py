@@ -3,7 +3,6 @@ import math
 import pytest
 
 from horovod_topk.core import STATE_FORMAT, ErrorFeedbackRegistry, TopKConfig, TopKEFBase
-from horovod_topk.core.config import DEFAULT_SPARSITY_COST, SGD_SPARSITY_COST
 
 
 class ListCompressor(TopKEFBase[list]):
@@ -104,23 +103,3 @@ def test_reduction_scale():
     assert reduction_scale("sum", 1.0, 1.0, 4) == 1.0
     with pytest.raises(ValueError, match="Average and op=hvd.Sum"):
         reduction_scale("max", 1.0, 1.0, 2)
-
-
-def test_the_optimizer_seen_prices_auto_and_the_more_careful_prior_wins():
-    """note_optimizer: a compressor wrapped with SGD prices densities by SGD's prior; wrapped with Adam as well
-    (two optimizers, one compressor), by Adam's whichever came first; the choice survives a reset (elastic)."""
-    sgd, adam = "torch.optim.sgd.SGD", "torch.optim.adam.Adam"
-    c = ListCompressor(ratio="auto")
-    assert c.auto.sparsity_cost_from == "optimizer not seen"
-    c.note_optimizer(sgd)
-    assert (c.auto.sparsity_cost, c.stats()["auto"]["sparsity_cost_from"]) == (SGD_SPARSITY_COST, "SGD")
-    c.note_optimizer(adam)
-    assert c.auto.sparsity_cost == DEFAULT_SPARSITY_COST
-    c.note_optimizer(sgd)
-    assert c.auto.sparsity_cost == DEFAULT_SPARSITY_COST
-    c.reset()
-    assert c.auto.sparsity_cost_from == "Adam"
-    fixed = ListCompressor(ratio="auto", sparsity_cost=0.2)
-    fixed.note_optimizer(sgd)
-    assert (fixed.auto.sparsity_cost, fixed.auto.sparsity_cost_from) == (0.2, "set")
-    ListCompressor(ratio=0.01).note_optimizer(sgd)  # a fixed ratio has nothing to price: no error

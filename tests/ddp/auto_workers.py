@@ -69,7 +69,7 @@ def measured(rank: int, world_size: int, target: str = "gradient") -> Dict[str, 
         history.append(state.auto.ratio)
     auto = state.stats()["auto"]
     return {"history": history, "decisions": auto["decisions"], "last": auto["last"], "target": state.target,
-            "same": all_equal_across_ranks(flat_params(model)), "prior": auto["sparsity_cost_from"]}
+            "same": all_equal_across_ranks(flat_params(model))}
 
 
 def update_invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
