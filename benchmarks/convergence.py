@@ -379,6 +379,7 @@ def main() -> None:
             launch = ([str(ROOT / "scripts" / "testbed.sh"), "run", p, "--rate", rate, "--"] if rate else
                       ["horovodrun", "-np", p, "-H", f"localhost:{p}"])
             # the workers' output is kept beside the result (a stall or a warning is read there afterwards)
+            out_dir.mkdir(parents=True, exist_ok=True)
             with open(path.with_suffix(".log"), "w") as log:
                 subprocess.run(launch + [sys.executable, __file__, "--worker", task, method, str(seed), "--budget",
                                          args.budget, "--out", str(out_dir), "--workers", p],
