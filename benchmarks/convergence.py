@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -140,19 +141,21 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr * 2, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=compression)
     gen = torch.Generator().manual_seed(seed * 100 + hvd.rank())
-    curve, metric, seconds = [], [], []
+    curve, metric, seconds, step_seconds = [], [], [], []
     training = 0.0  # wall time of the steps alone (the epoch's loss allreduce and the test pass excluded)
     for _ in range(epochs):
         order = torch.randperm(len(x_train), generator=gen)
         total = 0.0
         started = time.perf_counter()
         for s in range(steps):
+            began = time.perf_counter()
             idx = order[s * batch:(s + 1) * batch]
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
             opt.step()
             total += loss.item()
+            step_seconds.append(time.perf_counter() - began)
         training += time.perf_counter() - started
         seconds.append(training)
         curve.append(hvd.allreduce(torch.tensor(total / steps), name="loss").item())
@@ -162,6 +165,7 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
     # record them at each evaluation (time_to_target.py times a bed run's steps to the target from them)
     return {"metric": "test accuracy", "final": metric[-1], "curve": curve, "metric_curve": metric,
             "steps_per_epoch": steps, "evals": [steps * (e + 1) for e in range(epochs)], "train_seconds": seconds,
+            "step_seconds": step_seconds,  # each step's wall time on this rank: where a method's time goes
             **({"auto": compression.stats()["auto"]} if getattr(compression, "auto", None) is not None else {})}
 
 
@@ -234,6 +238,8 @@ def worker(task: str, method: str, seed: int, budget: str, out: Path) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
+    if hvd.rank() == 0:  # ratio="auto"'s decision lines (horovod_topk's logger) go into the run's log
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
     if task in LM_BUDGETS:
         result = lm_run(task, method, seed, budget)

@@ -389,6 +389,11 @@ class AutoDensity:
     _wait: float = 0.0
     _compress: float = 0.0
     _samples: List[Tuple[float, float, float]] = field(default_factory=list)
+    #: The last probes, reduced over ranks (latency, large, selection per entry, lone: Measurement's fields), the
+    #: step they ran at, and whether the decision now due may take them again (reusable_probes).
+    _probes: Optional[Tuple[float, float, float, float]] = None
+    _probed_at: int = -1
+    _recheck: bool = False
 
     # ---- per step --------------------------------------------------------------------------------------------
     def begin(self, step: int, now: float) -> bool:
@@ -425,6 +430,21 @@ class AutoDensity:
         read (TensorFlow reads stamp variables from the host) reads it only then; the step before the window
         refreshes what it compares the next reading with."""
         return self.step >= max(self._measure_from, self.next_decision - WINDOW_STEPS) - 1
+
+    def reusable_probes(self) -> Optional[Tuple[float, float, float, float]]:
+        """The last probes' values when the decision now due is the check of a change made one window ago, which
+        probed the link itself: that check measures the new choice's step, and the link is taken as it was a
+        window before (re-probing it cost ~0.5 s per change on 4 workers over 100 Mbit/s, a tenth of a short
+        job's start). None otherwise: the first decision, every regular one, a check whose own decision reused
+        probes, and after a load or a change of workers probe afresh. The same on every rank: it depends only on
+        decisions, which every rank takes alike."""
+        return self._probes if self._recheck else None
+
+    def remember_probes(self, m: Measurement, reused: bool) -> None:
+        """Keep ``m``'s probe fields (reduced over ranks) for the check after a change (reusable_probes)."""
+        self._probes = (m.latency_s, m.large_s, m.select_s_per_entry, m.lone_s)
+        if not reused:
+            self._probed_at = self.step
 
     def window_was_dense(self) -> bool:
         return self.ratio is None
@@ -480,7 +500,11 @@ class AutoDensity:
             "predicted_s": dict(choice.predicted_s),
             "to_target_s": dict(choice.to_target_s),
             "world_size": m.world_size,
+            #: the step whose probes gave the link above (earlier than ``step`` at the check after a change)
+            "probed_at": self._probed_at,
         }
+        # the check of a change may take this decision's probes, unless this decision took an earlier one's
+        self._recheck = changed and self._probed_at == self.step
         self.next_decision = self.step + (SETTLE_STEPS + WINDOW_STEPS if changed else self.config.auto_every)
         self.restart_window()
         return choice
@@ -492,6 +516,7 @@ class AutoDensity:
 
     def decide_soon(self) -> None:
         """Measure again and decide after a fresh window (a load, or workers joined or left)."""
+        self._recheck = False  # the link (and who is on it) is probed afresh
         self.next_decision = self.step + 1 + SETTLE_STEPS + WINDOW_STEPS
         self._samples.clear()
         self._measure_from = self.step + 1 + SETTLE_STEPS
@@ -552,6 +577,7 @@ class AutoDensity:
         # again after a fresh window (below), as every load does when workers change
         fresh = ratio == HALF and not self.half
         self.ratio = None if fresh else ratio
+        self._probes, self._probed_at, self._recheck = None, -1, False  # a loaded job probes its own link
         self.step = int(state.get("step", -1))
         self.next_decision = int(state.get("next_decision", self.step + 1))
         self.compute_s = float(state.get("compute_s", 0.0))

@@ -85,13 +85,19 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], probes: LinkP
     """
     dense_nbytes = grad_itemsize * sum(n for _, n in tensors)
     large_bytes = probe_nbytes(dense_nbytes)
-    single = float(statistics.median(probes.allreduce_seconds(1, SMALL_PROBE_NAME, SMALL_REPEATS)))
-    large = float(min(probes.allreduce_seconds(large_bytes // 4, large_probe_name(large_bytes), LARGE_REPEATS)))
-    marginal = max(0.0, (probes.burst_seconds(BURST) - single) / (BURST - 1))
-    # Measurement.link subtracts the marginal latency from the large probe: count it instead of the lone one
-    large = large - single + marginal
-    largest = max((n for _, n in tensors), default=1024)
-    select = probes.select_seconds_per_entry(max(1024, min(largest, SELECT_PROBE_NUMEL)))
+    reused = auto.reusable_probes()
+    if reused is not None:  # the check of a change: the link as probed a window ago (every rank alike)
+        marginal, large, select, single = reused
+    else:
+        single = float(statistics.median(probes.allreduce_seconds(1, SMALL_PROBE_NAME, SMALL_REPEATS)))
+        large = float(min(probes.allreduce_seconds(large_bytes // 4, large_probe_name(large_bytes), LARGE_REPEATS)))
+        marginal = max(0.0, (probes.burst_seconds(BURST) - single) / (BURST - 1))
+        # Measurement.link subtracts the marginal latency from the large probe: count it instead of the lone one
+        large = large - single + marginal
+        largest = max((n for _, n in tensors), default=1024)
+        select = probes.select_seconds_per_entry(max(1024, min(largest, SELECT_PROBE_NUMEL)))
     rows = probes.gather_rows(auto.local_row(marginal, large, select, single))
     moved = 2.0 * (world_size - 1) / world_size * large_bytes  # what one rank sends in a ring allreduce
-    return Measurement.from_rows(rows, moved, world_size)
+    m = Measurement.from_rows(rows, moved, world_size)
+    auto.remember_probes(m, reused=reused is not None)
+    return m

@@ -95,3 +95,42 @@ def test_the_probe_sequence_and_its_arithmetic():
     assert m.select_s_per_entry == pytest.approx(4e-9)
     assert m.large_nbytes == pytest.approx(large)  # a ring allreduce at P = 2 sends 2 (P - 1) / P of it
     assert linkprobe.probe_nbytes(10) == linkprobe.PROBE_MIN_BYTES
+
+
+class AgreeingProbes(ScriptedProbes):
+    """ScriptedProbes whose ranks all send the same row (as ranks reusing reduced probes do)."""
+
+    def gather_rows(self, row):
+        self.calls.append(("rows",))
+        return [list(row), list(row)]
+
+
+def test_the_check_of_a_change_takes_the_probes_of_the_decision_that_made_it():
+    """A change is checked one window later from the new choice's measured step, with the link as probed at the
+    change (no probes: only the rows are gathered); that check's own change, every regular decision and a
+    decision after decide_soon (a load, workers changed) probe again."""
+    tensors = [("a", 100_000), ("b", 10_000_000)]
+    auto, probes = AutoDensity(TopKConfig(ratio="auto")), AgreeingProbes()
+    probed = ["allreduce", "allreduce", "burst", "select", "rows"]
+
+    def decision_at(step):
+        probes.calls.clear()
+        auto.step = step
+        m = linkprobe.measure(auto, tensors, probes, world_size=2)
+        auto.decide(tensors, m)
+        return [c[0] for c in probes.calls], m
+
+    calls, first = decision_at(12)  # the first decision always changes (it is the first)
+    assert calls == probed and auto.last["probed_at"] == 12
+    calls, check = decision_at(24)
+    assert calls == ["rows"] and auto.last["probed_at"] == 12
+    assert (check.latency_s, check.large_s, check.select_s_per_entry, check.lone_s) == (
+        first.latency_s, first.large_s, first.select_s_per_entry, first.lone_s)
+    calls, _ = decision_at(36)  # after a check that reused probes, whatever it decided
+    assert calls == probed and auto.last["probed_at"] == 36
+    auto._recheck = True  # a check due ...
+    auto.decide_soon()  # ... but the workers changed
+    assert decision_at(48)[0] == probed
+    auto._recheck = True
+    auto.load_state_dict(auto.state_dict())  # a load probes its own link
+    assert decision_at(60)[0] == probed
