@@ -285,6 +285,7 @@ def choose_density(
     grad_itemsize: int = 4,
     half: bool = False,
     half_offset_s: float = 0.0,
+    unmeasured: Sequence[str] = (),
 ) -> Choice:
     """The density for the next steps (None: dense; HALF: dense in float16, a candidate only where ``half``). Pure:
     every rank computes it from the same numbers.
@@ -299,7 +300,11 @@ def choose_density(
     ``current`` misses the budget by HYSTERESIS or is predicted HYSTERESIS later. The FASTER margin both ways keeps
     two choices whose steps differ by less than a window's noise (dense and fp16 3-6% apart on a compute-bound job)
     from trading places at every decision, each change costing a window at the one that turns out slower: a budget
-    missed is no reason to take a choice that is not sooner.
+    missed is no reason to take a choice that is not sooner. ``unmeasured`` (labels): choices no window of this
+    job has run, whose predictions lack the offset a window measures (fp16's casts and residual pass, a density's
+    costs beyond its selection): replacing ``current`` by one of them on a prediction needs HYSTERESIS instead of
+    FASTER (digits on 4 workers over 100 Mbit/s: fp16 predicted 70 ms against ratio 0.01's measured 81 ms, then
+    measured 131 ms).
     """
     budget = float(config.budget if config.budget is not None else 0.0)
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
@@ -339,8 +344,9 @@ def choose_density(
     if time[cur] > time["dense"] * (1 + 1e-12):  # hysteresis never keeps a density predicted later than dense
         return choice(best, why + " (the current density is predicted later to the target than dense)")
     position = order.index
+    margin = HYSTERESIS if label(best) in unmeasured else FASTER
     if position(best) < position(current):  # denser than now: with room to spare, or sooner than now
-        if time[cur] > time[label(best)] * (1 + FASTER):
+        if time[cur] > time[label(best)] * (1 + margin):
             return choice(best, why + f" (the current density is predicted later to the target than {label(best)})")
         denser = [r for r in order[:position(current)] if _fits(label(r), steps, exposed, budget, 1 / (1 + HYSTERESIS))
                   and time[label(r)] <= time["dense"]]
@@ -349,8 +355,8 @@ def choose_density(
         return choice(current, f"kept (hysteresis: {label(best)} does not fit with {HYSTERESIS:.0%} to spare)")
     misses = not _fits(cur, steps, exposed, budget, 1 + HYSTERESIS)
     later = time[cur] > time[label(best)] * (1 + HYSTERESIS)
-    if not time[cur] > time[label(best)] * (1 + FASTER):  # the margin that brings a denser one back (above)
-        return choice(current, f"kept (hysteresis: {label(best)} is not predicted {FASTER:.0%} sooner)")
+    if not time[cur] > time[label(best)] * (1 + margin):  # the margin that brings a denser one back (above)
+        return choice(current, f"kept (hysteresis: {label(best)} is not predicted {margin:.0%} sooner)")
     if misses or later:
         return choice(best, why + (" (the current density misses it)" if misses else " (the current one is later)"))
     return choice(current, f"kept (hysteresis: {label(best)} is not {HYSTERESIS:.0%} better)")
@@ -394,6 +400,9 @@ class AutoDensity:
     _probes: Optional[Tuple[float, float, float, float]] = None
     _probed_at: int = -1
     _recheck: bool = False
+    #: What windows of this job have run: "dense", HALF, "sparse" (any density): the others' predictions lack their
+    #: measured offset (choose_density's ``unmeasured``).
+    measured: List[str] = field(default_factory=list)
 
     # ---- per step --------------------------------------------------------------------------------------------
     def begin(self, step: int, now: float) -> bool:
@@ -471,9 +480,13 @@ class AutoDensity:
             before, _, _ = predict_steps(tensors, self.config, m, compute_s=self.compute_s, hidden_s=self.hidden_s,
                                          offset_s=0.0, grad_itemsize=grad_itemsize)
             self.offset_s = m.period_s - before[label(self.ratio)]
+        kind = "dense" if self.ratio is None else HALF if self.ratio == HALF else "sparse"
+        self.measured = sorted(set(self.measured) | {kind})
+        unmeasured = ([HALF] if HALF not in self.measured else []) + (
+            [label(r) for r in DENSITIES] if "sparse" not in self.measured else [])
         choice = choose_density(tensors, self.config, m, current=self.ratio, first=first, compute_s=self.compute_s,
                                 hidden_s=self.hidden_s, offset_s=self.offset_s, grad_itemsize=grad_itemsize,
-                                half=self.half, half_offset_s=self.half_offset_s)
+                                half=self.half, half_offset_s=self.half_offset_s, unmeasured=unmeasured)
         changed = first or choice.ratio != self.ratio
         if changed:
             self.history = (self.history + [(self.step, label(choice.ratio))])[-HISTORY_KEPT:]
@@ -566,7 +579,8 @@ class AutoDensity:
     def state_dict(self) -> Dict[str, Any]:
         return {"ratio": self.ratio, "step": self.step, "next_decision": self.next_decision,
                 "compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s,
-                "half_offset_s": self.half_offset_s, "decisions": self.decisions, "changes": self.changes}
+                "half_offset_s": self.half_offset_s, "decisions": self.decisions, "changes": self.changes,
+                "measured": list(self.measured)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         ratio = state.get("ratio")
@@ -578,6 +592,7 @@ class AutoDensity:
         fresh = ratio == HALF and not self.half
         self.ratio = None if fresh else ratio
         self._probes, self._probed_at, self._recheck = None, -1, False  # a loaded job probes its own link
+        self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, "sparse"))
         self.step = int(state.get("step", -1))
         self.next_decision = int(state.get("next_decision", self.step + 1))
         self.compute_s = float(state.get("compute_s", 0.0))

@@ -325,3 +325,26 @@ def test_the_fingerprint_carries_auto_and_its_budget():
     shown = mismatch_message("w", [rows[0], fingerprint(TopKConfig(ratio=0.5), (64, 64), "float32", 3, None,
                                                          "dense")])
     assert "ratio (rank 0: 'auto', rank 1: 0.5)" in shown
+
+
+def test_a_choice_no_window_has_run_needs_the_hysteresis_margin_to_replace_the_current_one():
+    """Predictions of a choice the job never ran lack its measured offset: a 5-25% predicted gain is enough to move
+    to a measured choice, not to an unmeasured one; past 25% both move."""
+    cases = 0
+    for rate in (3e7, 1e8, 3e8, 1e9, 3e9):
+        for current in DENSITIES:
+            for offset in (0.0, 0.02, 0.05, 0.1):
+                kwargs = dict(current=current, first=False, offset_s=offset, half=True)
+                moved = choose_density(TENSORS, AUTO, _balanced(rate), **kwargs)
+                if moved.ratio == current:
+                    continue
+                gain = moved.to_target_s[f"{current:g}"] / moved.to_target_s[moved.label]
+                guarded = choose_density(TENSORS, AUTO, _balanced(rate), unmeasured=[moved.label], **kwargs)
+                if moved.predicted_s[f"{current:g}"] > moved.predicted_s["dense"]:
+                    continue  # a density predicted later than dense is never kept, measured or not
+                if 1 + FASTER < gain <= 1.25:
+                    cases += 1
+                    assert guarded.ratio == current and "25%" in guarded.reason, (rate, current, offset, gain)
+                elif gain > 1.25:
+                    assert guarded.ratio == moved.ratio
+    assert cases, "no decision in the sweep moved on a gain between 5% and 25%"
