@@ -8,7 +8,8 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
    collectives and the time it spent compressing; compute = period - wait - compress;
 2. at a decision step (the same step on every rank), probes the link with two synchronous allreduces (a tiny one:
    the latency of one collective; a large one: the rate), and reduces everything over ranks (max of each column,
-   rows gathered so every rank computes the same numbers);
+   rows gathered so every rank computes the same numbers); the check one window after a change takes the link
+   as that change probed it (AutoDensity.reusable_probes);
 3. predicts the step time of dense, of dense in float16 (HALF, where the front end can send it) and of every
    density of DENSITIES with core.costmodel's per-tensor routes
    and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
