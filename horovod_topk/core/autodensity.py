@@ -444,16 +444,17 @@ class AutoDensity:
     def reusable_probes(self) -> Optional[Tuple[float, float, float, float]]:
         """The last probes' values when the decision now due is the check of a change made one window ago, which
         probed the link itself: that check measures the new choice's step, and the link is taken as it was a
-        window before (re-probing it cost ~0.5 s per change on 4 workers over 100 Mbit/s, a tenth of a short
-        job's start). None otherwise: the first decision, every regular one, a check whose own decision reused
+        window before (re-probing it cost ~0.4 s per change on 4 workers over 100 Mbit/s, of a digits job whose
+        steps take ~15 s in all). None otherwise: the first decision, every regular one, a check whose own decision reused
         probes, and after a load or a change of workers probe afresh. The same on every rank: it depends only on
         decisions, which every rank takes alike."""
         return self._probes if self._recheck else None
 
     def remember_probes(self, m: Measurement, reused: bool) -> None:
-        """Keep ``m``'s probe fields (reduced over ranks) for the check after a change (reusable_probes)."""
-        self._probes = (m.latency_s, m.large_s, m.select_s_per_entry, m.lone_s)
+        """Keep ``m``'s probe fields (reduced over ranks) for the check after a change (reusable_probes); a
+        measurement that reused them leaves them as they are."""
         if not reused:
+            self._probes = (m.latency_s, m.large_s, m.select_s_per_entry, m.lone_s)
             self._probed_at = self.step
 
     def window_was_dense(self) -> bool:
