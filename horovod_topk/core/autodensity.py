@@ -9,7 +9,8 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
 2. at a decision step (the same step on every rank), probes the link with two synchronous allreduces (a tiny one:
    the latency of one collective; a large one: the rate), and reduces everything over ranks (max of each column,
    rows gathered so every rank computes the same numbers); the check one window after a change takes the link
-   as that change probed it (AutoDensity.reusable_probes);
+   as that change probed it (AutoDensity.reusable_probes), and a regular decision takes the last probes again
+   when its window's step confirms them (AutoDensity.confirmable_probes, window_confirms);
 3. predicts the step time of dense, of dense in float16 (HALF, where the front end can send it) and of every
    density of DENSITIES with core.costmodel's per-tensor routes
    and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
@@ -54,6 +55,8 @@ __all__ = [
     "Density",
     "HYSTERESIS",
     "WINDOW_STEPS",
+    "CONFIRM_TOLERANCE",
+    "PROBES_KEPT_DECISIONS",
     "SETTLE_STEPS",
     "Measurement",
     "Choice",
@@ -93,6 +96,15 @@ WINDOW_STEPS = 10
 #: Steps not measured after a start or a decision: the decision step runs the probes, the next one the rank
 #: agreement checks and new buffers.
 SETTLE_STEPS = 2
+#: A regular decision after one that kept the choice takes the last probes again, without probing, when its window's
+#: step (the slowest rank's median) is within this share of the step the last decision measured for the same
+#: choice: nothing the job can see has changed, and a change of the link that moves the step in force by less
+#: changes no prediction by FASTER (dense's step 10% longer: fp16, half its bytes, ~5% sooner at most). A decision's
+#: probes cost ~0.4 s on 4 workers over 100 Mbit/s (5 lone collectives, two of the model's bytes, a burst).
+CONFIRM_TOLERANCE = 0.10
+#: ... and when those probes are at most this many ``auto_every`` old: a sparse step hides a faster link (its few
+#: bytes took little time on the slower one), so the link is probed afresh at least this often.
+PROBES_KEPT_DECISIONS = 4
 #: Columns of one rank's measurement row (reduced with max over ranks).
 COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry", "lone_s")
 
@@ -401,6 +413,8 @@ class AutoDensity:
     _probes: Optional[Tuple[float, float, float, float]] = None
     _probed_at: int = -1
     _recheck: bool = False
+    #: Whether the decision now due follows one that kept the choice (confirmable_probes).
+    _kept: bool = False
     #: What windows of this job have run: "dense", HALF, "sparse" (any density): the others' predictions lack their
     #: measured offset (choose_density's ``unmeasured``).
     measured: List[str] = field(default_factory=list)
@@ -445,10 +459,29 @@ class AutoDensity:
         """The last probes' values when the decision now due is the check of a change made one window ago, which
         probed the link itself: that check measures the new choice's step, and the link is taken as it was a
         window before (re-probing it cost ~0.4 s per change on 4 workers over 100 Mbit/s, of a digits job whose
-        steps take ~15 s in all). None otherwise: the first decision, every regular one, a check whose own decision reused
-        probes, and after a load or a change of workers probe afresh. The same on every rank: it depends only on
+        steps take ~15 s in all). None otherwise: the first decision, a check whose own decision reused probes, and
+        every decision after a load or a change of workers probe afresh; a regular one may confirm the last probes
+        (confirmable_probes). The same on every rank: it depends only on
         decisions, which every rank takes alike."""
         return self._probes if self._recheck else None
+
+    def confirmable_probes(self) -> Optional[Tuple[float, float, float, float]]:
+        """The last probes' values when the decision now due may take them again if its window confirms them
+        (window_confirms): a regular decision after one that kept the choice, with probes at most
+        PROBES_KEPT_DECISIONS x auto_every steps old. None otherwise (then the link is probed). The same on every
+        rank: it depends only on decisions."""
+        if self._recheck or not self._kept or self._probes is None:
+            return None
+        if self.step - self._probed_at > PROBES_KEPT_DECISIONS * int(self.config.auto_every or 0):
+            return None
+        return self._probes
+
+    def window_confirms(self, m: Measurement) -> bool:
+        """Whether the window of ``m`` (reduced over ranks: the same on every rank) measured the step in force
+        within CONFIRM_TOLERANCE of what the last decision measured for it."""
+        before = float(self.last.get("measured_step_s", 0.0))
+        return (self.last.get("ratio", "unset") == self.ratio and before > 0.0
+                and abs(m.period_s - before) <= CONFIRM_TOLERANCE * before)
 
     def remember_probes(self, m: Measurement, reused: bool) -> None:
         """Keep ``m``'s probe fields (reduced over ranks) for the check after a change (reusable_probes); a
@@ -520,6 +553,7 @@ class AutoDensity:
         }
         # the check of a change may take this decision's probes, unless this decision took an earlier one's
         self._recheck = changed and self._probed_at == self.step
+        self._kept = not changed
         self.next_decision = self.step + (SETTLE_STEPS + WINDOW_STEPS if changed else self.config.auto_every)
         self.restart_window()
         return choice
@@ -531,7 +565,7 @@ class AutoDensity:
 
     def decide_soon(self) -> None:
         """Measure again and decide after a fresh window (a load, or workers joined or left)."""
-        self._recheck = False  # the link (and who is on it) is probed afresh
+        self._recheck = self._kept = False  # the link (and who is on it) is probed afresh
         self.next_decision = self.step + 1 + SETTLE_STEPS + WINDOW_STEPS
         self._samples.clear()
         self._measure_from = self.step + 1 + SETTLE_STEPS
@@ -593,7 +627,7 @@ class AutoDensity:
         # again after a fresh window (below), as every load does when workers change
         fresh = ratio == HALF and not self.half
         self.ratio = None if fresh else ratio
-        self._probes, self._probed_at, self._recheck = None, -1, False  # a loaded job probes its own link
+        self._probes, self._probed_at, self._recheck, self._kept = None, -1, False, False  # a loaded job probes its link
         self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, "sparse"))
         self.step = int(state.get("step", -1))
         self.next_decision = int(state.get("next_decision", self.step + 1))

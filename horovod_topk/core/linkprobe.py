@@ -79,13 +79,22 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], probes: LinkP
             grad_itemsize: int = 4) -> Measurement:
     """Probe the link, time a selection, and gather every rank's row: the Measurement every rank decides from.
 
+    A regular decision first gathers the rows with the last probes (AutoDensity.confirmable_probes) and keeps
+    them when the window confirms them (AutoDensity.window_confirms); otherwise it probes and gathers again.
     The rate is what the large probe got beyond one collective alone; the latency the cost model counts per
     collective is the marginal one, what one more collective adds among many in flight (a collective alone also
     waits for its own turn of Horovod's negotiation cycle, which a step's collectives share).
     """
     dense_nbytes = grad_itemsize * sum(n for _, n in tensors)
     large_bytes = probe_nbytes(dense_nbytes)
+    moved = 2.0 * (world_size - 1) / world_size * large_bytes  # what one rank sends in a ring allreduce
     reused = auto.reusable_probes()
+    kept = auto.confirmable_probes() if reused is None else None
+    if kept is not None:  # a regular decision: its window may confirm the last probes (one gather, no probes)
+        m = Measurement.from_rows(probes.gather_rows(auto.local_row(*kept)), moved, world_size)
+        if auto.window_confirms(m):
+            auto.remember_probes(m, reused=True)
+            return m
     if reused is not None:  # the check of a change: the link as probed a window ago (every rank alike)
         marginal, large, select, single = reused
     else:
@@ -97,7 +106,6 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], probes: LinkP
         largest = max((n for _, n in tensors), default=1024)
         select = probes.select_seconds_per_entry(max(1024, min(largest, SELECT_PROBE_NUMEL)))
     rows = probes.gather_rows(auto.local_row(marginal, large, select, single))
-    moved = 2.0 * (world_size - 1) / world_size * large_bytes  # what one rank sends in a ring allreduce
     m = Measurement.from_rows(rows, moved, world_size)
     auto.remember_probes(m, reused=reused is not None)
     return m

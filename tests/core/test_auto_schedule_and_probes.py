@@ -107,8 +107,8 @@ class AgreeingProbes(ScriptedProbes):
 
 def test_the_check_of_a_change_takes_the_probes_of_the_decision_that_made_it():
     """A change is checked one window later from the new choice's measured step, with the link as probed at the
-    change (no probes: only the rows are gathered); that check's own change, every regular decision and a
-    decision after decide_soon (a load, workers changed) probe again."""
+    change (no probes: only the rows are gathered); the next decision, unless its window confirms the probes
+    (the test below), and a decision after decide_soon (a load, workers changed) probe again."""
     tensors = [("a", 100_000), ("b", 10_000_000)]
     auto, probes = AutoDensity(TopKConfig(ratio="auto")), AgreeingProbes()
     probed = ["allreduce", "allreduce", "burst", "select", "rows"]
@@ -126,11 +126,48 @@ def test_the_check_of_a_change_takes_the_probes_of_the_decision_that_made_it():
     assert calls == ["rows"] and auto.last["probed_at"] == 12
     assert (check.latency_s, check.large_s, check.select_s_per_entry, check.lone_s) == (
         first.latency_s, first.large_s, first.select_s_per_entry, first.lone_s)
-    calls, _ = decision_at(36)  # after a check that reused probes, whatever it decided
-    assert calls == probed and auto.last["probed_at"] == 36
+    calls, _ = decision_at(36)  # after a check that reused probes: a window that measured no step confirms none
+    assert calls == ["rows"] + probed and auto.last["probed_at"] == 36
     auto._recheck = True  # a check due ...
     auto.decide_soon()  # ... but the workers changed
     assert decision_at(48)[0] == probed
     auto._recheck = True
     auto.load_state_dict(auto.state_dict())  # a load probes its own link
     assert decision_at(60)[0] == probed
+
+
+def test_a_regular_decision_takes_the_last_probes_when_its_window_confirms_them():
+    """After a decision that kept the choice, a regular decision gathers the rows with the last probes and keeps
+    them when the window's step is within CONFIRM_TOLERANCE of the step measured a decision ago; a step that moved
+    more, a change, or probes older than PROBES_KEPT_DECISIONS x auto_every make it probe."""
+    from horovod_topk.core.autodensity import CONFIRM_TOLERANCE, PROBES_KEPT_DECISIONS
+
+    tensors = [("a", 100_000), ("b", 10_000_000)]
+    auto, probes = AutoDensity(TopKConfig(ratio="auto", auto_every=50)), AgreeingProbes()
+    probed = ["allreduce", "allreduce", "burst", "select", "rows"]
+
+    def decision_at(step, period_s):
+        probes.calls.clear()
+        auto._samples[:] = [(period_s, 0.0, 0.0)] * 10
+        auto.step = step
+        m = linkprobe.measure(auto, tensors, probes, world_size=2)
+        choice = auto.decide(tensors, m)
+        return [c[0] for c in probes.calls], choice
+
+    assert decision_at(12, 0.100)[0] == probed  # the first decision: a change (dense here: compute only)
+    assert auto.ratio is None
+    calls, _ = decision_at(24, 0.100)  # its check reuses the change's probes and keeps dense
+    assert calls == ["rows"] and auto.last["probed_at"] == 12
+    calls, _ = decision_at(74, 0.100 * (1 + CONFIRM_TOLERANCE / 2))  # within the tolerance: confirmed
+    assert calls == ["rows"] and auto.last["probed_at"] == 12 and auto.ratio is None
+    calls, _ = decision_at(124, 0.100 * (1 + CONFIRM_TOLERANCE / 2) * (1 + 2 * CONFIRM_TOLERANCE))  # moved: probe
+    assert calls == ["rows"] + probed and auto.last["probed_at"] == 124
+    step = 124 + PROBES_KEPT_DECISIONS * 50
+    last = auto.last["measured_step_s"]
+    assert decision_at(step, last)[0] == ["rows"] and auto.last["probed_at"] == 124  # as old as may be kept
+    assert decision_at(step + 50, last)[0] == probed  # older: probed afresh, whatever the window says
+    # a decision that changes the choice: the next decision is its check (which takes its probes), never a
+    # confirmation; a decision after decide_soon probes
+    auto._kept = True
+    auto.decide_soon()
+    assert decision_at(step + 100, last)[0] == probed
