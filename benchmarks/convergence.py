@@ -5,6 +5,7 @@ and schedule.
 Tasks (no synthetic data, no downloads):
   digits          scikit-learn's handwritten digits, the CNN of examples/digits_torch.py: test accuracy
   digits-noniid   the same, but worker 0 trains only on digits 0-4 and worker 1 only on 5-9
+  digits-keras    the digits task in TensorFlow (examples/digits_keras.py's CNN, Keras model.fit), on request
   charlm, gptlm   byte-level language models on the Python standard library's own source (benchmarks/lm_tasks.py):
                   a GRU with Adam, and a small decoder-only transformer with AdamW, warm-up and cosine decay.
                   Two budgets (--budget short|converged, steps in LM_BUDGETS); validation loss, steps to reach 1.01x
@@ -22,6 +23,7 @@ seeds) and one loss-curve plot per task.
     python benchmarks/convergence.py --workers 4 --tasks digits charlm \
         --methods dense topk0.01-allgather topk0.01-sparse_allreduce        # the two exchanges at P = 4
     python benchmarks/convergence.py --workers 4 --tasks gptlm --methods auto@100mbit   # on the test bed (root)
+    python benchmarks/convergence.py --workers 4 --tasks digits-keras --methods dense topk0.01@100mbit auto@100mbit
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
@@ -37,6 +40,11 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["digits", "digits-noniid", "charlm", "gptlm"]
+#: Run on request (--tasks), not part of the default table: the digits task in TensorFlow (Keras 2 through
+#: Horovod's Keras DistributedOptimizer, model.fit), for the time to the target of its front end.
+EXTRA_TASKS = ["digits-keras"]
+#: The methods digits-keras runs (KERAS_COMPRESSION): its baselines and TopKEF's fixed and automatic densities.
+KERAS_METHODS = ("dense", "fp16", "topk0.01", "topk0.03", "topk0.1", "auto", "auto-cost0")
 METHODS = ["dense", "fp16", "topk0.01", "topk0.001-warmup", "compact0.025", "compact0.0025-warmup"]
 #: Measured on request (--methods), not part of the default table.
 EXTRA_METHODS = ["topk0.01-guard3", "topk0.0267", "topk0.01-allgather", "topk0.01-sparse_allreduce",
@@ -169,6 +177,73 @@ def digits_run(method: str, seed: int, noniid: bool, epochs: int = 30, batch: in
             **({"auto": compression.stats()["auto"]} if getattr(compression, "auto", None) is not None else {})}
 
 
+def keras_compression(method: str):
+    """The Horovod Keras compression of a digits-keras method (KERAS_METHODS, with or without "@<rate>")."""
+    import horovod.tensorflow.keras as hvd
+
+    from horovod_topk.tensorflow import TopKEF
+
+    base = method.partition("@")[0]
+    if base not in KERAS_METHODS:
+        raise SystemExit(f"digits-keras runs {', '.join(KERAS_METHODS)} (with or without @<rate>), not {method!r}")
+    if base in ("dense", "fp16"):
+        return hvd.Compression.none if base == "dense" else hvd.Compression.fp16
+    if base.startswith("auto"):
+        return TopKEF(ratio="auto", target="gradient", **({"sparsity_cost": 0.0} if base == "auto-cost0" else {}))
+    return TopKEF(ratio=float(base[len("topk"):]), target="gradient")
+
+
+def digits_keras_run(method: str, seed: int, epochs: int = 30, batch: int = 32, lr: float = 0.05) -> dict:
+    """digits_run's task, schedule and record in TensorFlow: the Keras CNN of examples/digits_keras.py, SGD with
+    momentum at 2 x lr (digits_run's rate at every P), this worker's shard, model.fit through Horovod's Keras
+    DistributedOptimizer; the epoch's mean training loss averaged over workers, the training time without the
+    evaluations, and each step's wall time."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # Horovod 0.28.1's Keras wrapper needs Keras 2
+    import horovod.tensorflow as hvd_tf
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from digits_data import load_split
+    from digits_keras import digits_cnn
+
+    hvd.init()
+    if hvd.rank() == 0:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tf.keras.utils.set_random_seed(seed)
+    x_train, y_train, x_test, y_test = load_split(seed, hvd.rank(), hvd.size())
+    x_train, x_test = x_train[..., None], x_test[..., None]
+    steps = int(hvd.allreduce(tf.constant(len(x_train) // batch), op=hvd_tf.Min, name="steps"))
+    compression = keras_compression(method)
+    model = digits_cnn()
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(lr * 2, momentum=0.9), compression=compression)
+    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    record = {"curve": [], "metric_curve": [], "train_seconds": [], "step_seconds": []}
+
+    class Record(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch_started = time.perf_counter()
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.began = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            record["step_seconds"].append(time.perf_counter() - self.began)
+
+        def on_epoch_end(self, epoch, logs=None):
+            trained = time.perf_counter() - self.epoch_started  # the epoch's steps, before the loss and the test
+            record["train_seconds"].append(trained + (record["train_seconds"][-1] if record["train_seconds"] else 0.0))
+            record["curve"].append(float(hvd.allreduce(tf.constant(float(logs["loss"])), name="loss")))
+            record["metric_curve"].append(float((model.predict(x_test, verbose=0).argmax(1) == y_test).mean()))
+
+    model.fit(x_train, y_train, batch_size=batch, epochs=epochs, steps_per_epoch=steps, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), Record()])
+    auto = getattr(compression, "auto", None)
+    return {"metric": "test accuracy", "final": record["metric_curve"][-1], "steps_per_epoch": steps,
+            "evals": [steps * (e + 1) for e in range(epochs)], "framework": f"tensorflow {tf.__version__}",
+            **record, **({"auto": compression.stats()["auto"]} if auto is not None else {}), "rank": hvd.rank()}
+
+
 #: Language-model budgets in steps: "short" (the study's original 400-step charlm budget) and "converged" (dense's
 #: validation loss changes < 1% over the last 20% of the steps; checked by summarize and printed with the table).
 #: gptlm's cosine schedule keeps its loss falling to the end of any budget (2.2% over the last 20% at 1,200 steps,
@@ -232,7 +307,21 @@ def lm_run(task_name: str, method: str, seed: int, budget: str) -> dict:
             **({"auto": compression.stats()["auto"]} if getattr(compression, "auto", None) is not None else {})}
 
 
+def write_result(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)  # atomic: a killed run leaves no half-written result behind
+
+
 def worker(task: str, method: str, seed: int, budget: str, out: Path) -> None:
+    if task == "digits-keras":  # TensorFlow: no torch in this process
+        start = time.perf_counter()
+        result = digits_keras_run(method, seed)
+        result.update(task=task, method=method, seed=seed, seconds=time.perf_counter() - start)
+        if result.pop("rank") == 0:
+            write_result(result, out)
+        return
     import horovod.torch as hvd
     import torch
 
@@ -247,10 +336,7 @@ def worker(task: str, method: str, seed: int, budget: str, out: Path) -> None:
         result = digits_run(method, seed, task == "digits-noniid")
     result.update(task=task, method=method, seed=seed, seconds=time.perf_counter() - start)
     if hvd.rank() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(out)  # atomic: a killed run leaves no half-written result behind
+        write_result(result, out)
 
 
 def result_name(task: str, method: str, seed: int, budget: str, workers: int = 2) -> str:
@@ -356,7 +442,7 @@ def summarize(out_dir: Path, tasks, methods, seeds, budget: str, plot: bool, wor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
+    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS + EXTRA_TASKS)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS + AUTO_METHODS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--budget", default="short", choices=["short", "converged"],

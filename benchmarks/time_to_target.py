@@ -52,7 +52,7 @@ def digits_steps_to_target(run: dict, target: float, steps_per_epoch: int) -> Op
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, choices=["digits", "charlm", "gptlm"])
+    parser.add_argument("--task", required=True, choices=["digits", "digits-keras", "charlm", "gptlm"])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--budget", default="short", choices=["short", "converged"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -96,7 +96,7 @@ def main() -> None:
                          f"--workers {args.workers} --tasks {args.task} --methods {method})")
         runs[method] = [json.loads(p.read_text()) for p in paths]
 
-    if args.task == "digits":
+    if args.task.startswith("digits"):  # digits, digits-keras: the same data, split and schedule
         # digits_data's 80% split of 1797 images, split over the workers, batch 32 (convergence.py records it too)
         spe = args.steps_per_epoch or runs[args.target_from][0].get("steps_per_epoch") or (1437 // args.workers) // 32
         target = 1.01 * sum(r["curve"][-1] for r in runs[args.target_from]) / len(runs[args.target_from])

@@ -10,7 +10,7 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
    the latency of one collective; a large one: the rate), and reduces everything over ranks (max of each column,
    rows gathered so every rank computes the same numbers); the check one window after a change takes the link
    as that change probed it (AutoDensity.reusable_probes), and a regular decision takes the last probes again
-   when its window's step confirms them (AutoDensity.confirmable_probes, window_confirms);
+   when its choice would stand on a link half or twice as fast (AutoDensity.confirmable_probes, link_settles);
 3. predicts the step time of dense, of dense in float16 (HALF, where the front end can send it) and of every
    density of DENSITIES with core.costmodel's per-tensor routes
    and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
@@ -55,7 +55,7 @@ __all__ = [
     "Density",
     "HYSTERESIS",
     "WINDOW_STEPS",
-    "CONFIRM_TOLERANCE",
+    "LINK_MARGIN",
     "PROBES_KEPT_DECISIONS",
     "SETTLE_STEPS",
     "Measurement",
@@ -96,12 +96,13 @@ WINDOW_STEPS = 10
 #: Steps not measured after a start or a decision: the decision step runs the probes, the next one the rank
 #: agreement checks and new buffers.
 SETTLE_STEPS = 2
-#: A regular decision after one that kept the choice takes the last probes again, without probing, when its window's
-#: step (the slowest rank's median) is within this share of the step the last decision measured for the same
-#: choice: nothing the job can see has changed, and a change of the link that moves the step in force by less
-#: changes no prediction by FASTER (dense's step 10% longer: fp16, half its bytes, ~5% sooner at most). A decision's
-#: probes cost ~0.4 s on 4 workers over 100 Mbit/s (5 lone collectives, two of the model's bytes, a burst).
-CONFIRM_TOLERANCE = 0.10
+#: A regular decision after one that kept the choice takes the last probes again, without probing, when the choice
+#: in force would be kept with the link they measured and with that link this many times slower or faster
+#: (AutoDensity.link_settles): the window's own numbers (compute, the step in force) are fresh either way, and a
+#: link that moved less could change nothing. The rates a decision's probes measured on one shaped link of this
+#: project's test bed spread by ~1.4x between jobs (100.9-142.6 Mbit/s through 100 Mbit/s). A decision's probes
+#: cost ~0.4 s on 4 workers over 100 Mbit/s (5 lone collectives, two of the model's bytes, a burst).
+LINK_MARGIN = 2.0
 #: ... and when those probes are at most this many ``auto_every`` old: a sparse step hides a faster link (its few
 #: bytes took little time on the slower one), so the link is probed afresh at least this often.
 PROBES_KEPT_DECISIONS = 4
@@ -466,8 +467,8 @@ class AutoDensity:
         return self._probes if self._recheck else None
 
     def confirmable_probes(self) -> Optional[Tuple[float, float, float, float]]:
-        """The last probes' values when the decision now due may take them again if its window confirms them
-        (window_confirms): a regular decision after one that kept the choice, with probes at most
+        """The last probes' values when the decision now due may take them again if they settle it
+        (link_settles): a regular decision after one that kept the choice, with probes at most
         PROBES_KEPT_DECISIONS x auto_every steps old. None otherwise (then the link is probed). The same on every
         rank: it depends only on decisions."""
         if self._recheck or not self._kept or self._probes is None:
@@ -475,13 +476,6 @@ class AutoDensity:
         if self.step - self._probed_at > PROBES_KEPT_DECISIONS * int(self.config.auto_every or 0):
             return None
         return self._probes
-
-    def window_confirms(self, m: Measurement) -> bool:
-        """Whether the window of ``m`` (reduced over ranks: the same on every rank) measured the step in force
-        within CONFIRM_TOLERANCE of what the last decision measured for it."""
-        before = float(self.last.get("measured_step_s", 0.0))
-        return (self.last.get("ratio", "unset") == self.ratio and before > 0.0
-                and abs(m.period_s - before) <= CONFIRM_TOLERANCE * before)
 
     def remember_probes(self, m: Measurement, reused: bool) -> None:
         """Keep ``m``'s probe fields (reduced over ranks) for the check after a change (reusable_probes); a
@@ -494,19 +488,21 @@ class AutoDensity:
         return self.ratio is None
 
     # ---- decisions -------------------------------------------------------------------------------------------
-    def decide(self, tensors: Sequence[Tuple[str, int]], m: Measurement, grad_itemsize: int = 4) -> Choice:
-        """Take the decision due at this step from the reduced measurement ``m`` (the same on every rank)."""
-        first = self.decisions == 0
-        window_ratio = self.ratio
+    def _weigh(self, tensors: Sequence[Tuple[str, int]], m: Measurement, grad_itemsize: int
+               ) -> Tuple[Measurement, Dict[str, float], Choice]:
+        """What the window of ``m`` says and what it chooses, without changing any state: ``m`` (a sparse window's
+        with its measured selection cost), the terms the window measures (a dense window: compute and hidden; an
+        fp16 window: fp16's offset; a sparse one: the offset), and the choice."""
+        terms = {"compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s,
+                 "half_offset_s": self.half_offset_s}
         if self.ratio is None:  # a dense window: compute, and what backward hid of dense's communication
-            self.compute_s = m.compute_s
             raw, _, _ = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
                                       grad_itemsize=grad_itemsize)
-            self.hidden_s = raw["dense"] - m.exposed_s
+            terms.update(compute_s=m.compute_s, hidden_s=raw["dense"] - m.exposed_s)
         elif self.ratio == HALF:  # an fp16 window: what fp16 costs beyond its bytes on this machine
             before, _, _ = predict_steps(tensors, self.config, m, compute_s=self.compute_s, hidden_s=self.hidden_s,
                                          offset_s=0.0, grad_itemsize=grad_itemsize)
-            self.half_offset_s = m.period_s - before[HALF]
+            terms["half_offset_s"] = m.period_s - before[HALF]
         else:  # a sparse window: the selection's measured cost, and what the model missed at this density
             _, _, entries = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
                                           grad_itemsize=grad_itemsize)
@@ -514,14 +510,33 @@ class AutoDensity:
                 m = replace(m, select_s_per_entry=m.compress_s / entries[label(self.ratio)])
             before, _, _ = predict_steps(tensors, self.config, m, compute_s=self.compute_s, hidden_s=self.hidden_s,
                                          offset_s=0.0, grad_itemsize=grad_itemsize)
-            self.offset_s = m.period_s - before[label(self.ratio)]
-        kind = "dense" if self.ratio is None else HALF if self.ratio == HALF else "sparse"
-        self.measured = sorted(set(self.measured) | {kind})
-        unmeasured = ([HALF] if HALF not in self.measured else []) + (
-            [label(r) for r in DENSITIES] if "sparse" not in self.measured else [])
-        choice = choose_density(tensors, self.config, m, current=self.ratio, first=first, compute_s=self.compute_s,
-                                hidden_s=self.hidden_s, offset_s=self.offset_s, grad_itemsize=grad_itemsize,
-                                half=self.half, half_offset_s=self.half_offset_s, unmeasured=unmeasured)
+            terms["offset_s"] = m.period_s - before[label(self.ratio)]
+        measured = set(self.measured) | {"dense" if self.ratio is None else HALF if self.ratio == HALF else "sparse"}
+        unmeasured = ([HALF] if HALF not in measured else []) + (
+            [label(r) for r in DENSITIES] if "sparse" not in measured else [])
+        choice = choose_density(tensors, self.config, m, current=self.ratio, first=self.decisions == 0,
+                                grad_itemsize=grad_itemsize, half=self.half, unmeasured=unmeasured, **terms)
+        return m, terms, choice
+
+    def link_settles(self, tensors: Sequence[Tuple[str, int]], m: Measurement, grad_itemsize: int = 4) -> bool:
+        """Whether the decision due keeps the choice in force with the link of ``m`` (the last probes) and with
+        that link LINK_MARGIN times slower or faster: then probing it again could change nothing short of a
+        larger change of the link, and the probes are skipped (confirmable_probes). Pure: the same on every rank."""
+        for factor in (1.0, LINK_MARGIN, 1.0 / LINK_MARGIN):
+            scaled = replace(m, latency_s=m.latency_s * factor, large_s=m.large_s * factor, lone_s=m.lone_s * factor)
+            if self._weigh(tensors, scaled, grad_itemsize)[2].ratio != self.ratio:
+                return False
+        return True
+
+    def decide(self, tensors: Sequence[Tuple[str, int]], m: Measurement, grad_itemsize: int = 4) -> Choice:
+        """Take the decision due at this step from the reduced measurement ``m`` (the same on every rank)."""
+        first = self.decisions == 0
+        window_ratio = self.ratio
+        m, terms, choice = self._weigh(tensors, m, grad_itemsize)
+        self.compute_s, self.hidden_s = terms["compute_s"], terms["hidden_s"]
+        self.offset_s, self.half_offset_s = terms["offset_s"], terms["half_offset_s"]
+        self.measured = sorted(set(self.measured) | {"dense" if window_ratio is None else
+                                                     HALF if window_ratio == HALF else "sparse"})
         changed = first or choice.ratio != self.ratio
         if changed:
             self.history = (self.history + [(self.step, label(choice.ratio))])[-HISTORY_KEPT:]

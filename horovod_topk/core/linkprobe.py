@@ -80,7 +80,7 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], probes: LinkP
     """Probe the link, time a selection, and gather every rank's row: the Measurement every rank decides from.
 
     A regular decision first gathers the rows with the last probes (AutoDensity.confirmable_probes) and keeps
-    them when the window confirms them (AutoDensity.window_confirms); otherwise it probes and gathers again.
+    them when they settle it (AutoDensity.link_settles); otherwise it probes and gathers again.
     The rate is what the large probe got beyond one collective alone; the latency the cost model counts per
     collective is the marginal one, what one more collective adds among many in flight (a collective alone also
     waits for its own turn of Horovod's negotiation cycle, which a step's collectives share).
@@ -90,9 +90,9 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], probes: LinkP
     moved = 2.0 * (world_size - 1) / world_size * large_bytes  # what one rank sends in a ring allreduce
     reused = auto.reusable_probes()
     kept = auto.confirmable_probes() if reused is None else None
-    if kept is not None:  # a regular decision: its window may confirm the last probes (one gather, no probes)
+    if kept is not None:  # a regular decision: the last probes may settle it (one gather, no probes)
         m = Measurement.from_rows(probes.gather_rows(auto.local_row(*kept)), moved, world_size)
-        if auto.window_confirms(m):
+        if auto.link_settles(tensors, m, grad_itemsize):
             auto.remember_probes(m, reused=True)
             return m
     if reused is not None:  # the check of a change: the link as probed a window ago (every rank alike)

@@ -107,8 +107,8 @@ class AgreeingProbes(ScriptedProbes):
 
 def test_the_check_of_a_change_takes_the_probes_of_the_decision_that_made_it():
     """A change is checked one window later from the new choice's measured step, with the link as probed at the
-    change (no probes: only the rows are gathered); the next decision, unless its window confirms the probes
-    (the test below), and a decision after decide_soon (a load, workers changed) probe again."""
+    change (no probes: only the rows are gathered); the next decision probes again unless the last probes
+    settle it (the test below), and a decision after decide_soon (a load, workers changed) probe again."""
     tensors = [("a", 100_000), ("b", 10_000_000)]
     auto, probes = AutoDensity(TopKConfig(ratio="auto")), AgreeingProbes()
     probed = ["allreduce", "allreduce", "burst", "select", "rows"]
@@ -126,8 +126,8 @@ def test_the_check_of_a_change_takes_the_probes_of_the_decision_that_made_it():
     assert calls == ["rows"] and auto.last["probed_at"] == 12
     assert (check.latency_s, check.large_s, check.select_s_per_entry, check.lone_s) == (
         first.latency_s, first.large_s, first.select_s_per_entry, first.lone_s)
-    calls, _ = decision_at(36)  # after a check that reused probes: a window that measured no step confirms none
-    assert calls == ["rows"] + probed and auto.last["probed_at"] == 36
+    calls, _ = decision_at(36)  # a regular decision: the empty windows keep dense on any link (the test below)
+    assert calls == ["rows"] and auto.last["probed_at"] == 12
     auto._recheck = True  # a check due ...
     auto.decide_soon()  # ... but the workers changed
     assert decision_at(48)[0] == probed
@@ -136,38 +136,44 @@ def test_the_check_of_a_change_takes_the_probes_of_the_decision_that_made_it():
     assert decision_at(60)[0] == probed
 
 
-def test_a_regular_decision_takes_the_last_probes_when_its_window_confirms_them():
+def test_a_regular_decision_takes_the_last_probes_when_a_link_twice_as_fast_or_slow_changes_nothing():
     """After a decision that kept the choice, a regular decision gathers the rows with the last probes and keeps
-    them when the window's step is within CONFIRM_TOLERANCE of the step measured a decision ago; a step that moved
-    more, a change, or probes older than PROBES_KEPT_DECISIONS x auto_every make it probe."""
-    from horovod_topk.core.autodensity import CONFIRM_TOLERANCE, PROBES_KEPT_DECISIONS
+    them when the choice in force stands with that link LINK_MARGIN times faster and slower; a choice near its
+    boundary, a change, probes older than PROBES_KEPT_DECISIONS x auto_every, or decide_soon make it probe."""
+    from horovod_topk.core.autodensity import PROBES_KEPT_DECISIONS
 
     tensors = [("a", 100_000), ("b", 10_000_000)]
-    auto, probes = AutoDensity(TopKConfig(ratio="auto", auto_every=50)), AgreeingProbes()
     probed = ["allreduce", "allreduce", "burst", "select", "rows"]
 
-    def decision_at(step, period_s):
-        probes.calls.clear()
-        auto._samples[:] = [(period_s, 0.0, 0.0)] * 10
-        auto.step = step
-        m = linkprobe.measure(auto, tensors, probes, world_size=2)
-        choice = auto.decide(tensors, m)
-        return [c[0] for c in probes.calls], choice
+    def run(sparse_step_s, steps):
+        """Dense 100 ms with 80 ms of exposed communication, then 0.03 at ``sparse_step_s``: the probe calls of
+        the decisions at ``steps`` (the first, its check, then regular ones)."""
+        auto, probes = AutoDensity(TopKConfig(ratio="auto", auto_every=50, sparsity_cost=0.0)), AgreeingProbes()
+        calls = []
+        for n, step in enumerate(steps):
+            probes.calls.clear()
+            auto._samples[:] = [(0.100, 0.080, 0.0) if n == 0 else (sparse_step_s, 0.0, 0.002)] * 10
+            auto.step = step
+            auto.decide(tensors, linkprobe.measure(auto, tensors, probes, world_size=2))
+            calls.append([c[0] for c in probes.calls])
+            assert auto.ratio == 0.03
+        return auto, calls
 
-    assert decision_at(12, 0.100)[0] == probed  # the first decision: a change (dense here: compute only)
-    assert auto.ratio is None
-    calls, _ = decision_at(24, 0.100)  # its check reuses the change's probes and keeps dense
-    assert calls == ["rows"] and auto.last["probed_at"] == 12
-    calls, _ = decision_at(74, 0.100 * (1 + CONFIRM_TOLERANCE / 2))  # within the tolerance: confirmed
-    assert calls == ["rows"] and auto.last["probed_at"] == 12 and auto.ratio is None
-    calls, _ = decision_at(124, 0.100 * (1 + CONFIRM_TOLERANCE / 2) * (1 + 2 * CONFIRM_TOLERANCE))  # moved: probe
-    assert calls == ["rows"] + probed and auto.last["probed_at"] == 124
-    step = 124 + PROBES_KEPT_DECISIONS * 50
-    last = auto.last["measured_step_s"]
-    assert decision_at(step, last)[0] == ["rows"] and auto.last["probed_at"] == 124  # as old as may be kept
-    assert decision_at(step + 50, last)[0] == probed  # older: probed afresh, whatever the window says
-    # a decision that changes the choice: the next decision is its check (which takes its probes), never a
-    # confirmation; a decision after decide_soon probes
+    # 0.03 at 50 ms against dense's 100: it stays the choice on a link twice as fast or slow; the check (24) takes
+    # the first decision's probes, the regular decisions the last ones, until they are PROBES_KEPT_DECISIONS old
+    last = 12 + PROBES_KEPT_DECISIONS * 50
+    auto, calls = run(0.050, [12, 24, 74, last, last + 50])
+    assert calls == [probed, ["rows"], ["rows"], ["rows"], probed]
+    assert auto.last["probed_at"] == last + 50
+    # 0.03 at 90 ms: on a link twice as fast dense would be sooner; at 30 ms, on one twice as slow 0.01 would:
+    # the regular decision probes
+    for sparse_step_s in (0.090, 0.030):
+        auto, calls = run(sparse_step_s, [12, 24, 74])
+        assert calls == [probed, ["rows"], ["rows"] + probed] and auto.last["probed_at"] == 74
+    # after decide_soon (a load, workers changed) the next decision probes, kept choice or not
     auto._kept = True
     auto.decide_soon()
-    assert decision_at(step + 100, last)[0] == probed
+    auto.step, auto._samples[:] = 200, [(0.050, 0.0, 0.002)] * 10
+    probes = AgreeingProbes()
+    auto.decide(tensors, linkprobe.measure(auto, tensors, probes, world_size=2))
+    assert [c[0] for c in probes.calls] == probed
