@@ -300,6 +300,7 @@ def choose_density(
     half: bool = False,
     half_offset_s: float = 0.0,
     unmeasured: Sequence[str] = (),
+    abandoned: Sequence[str] = (),
 ) -> Choice:
     """The density for the next steps (None: dense; HALF: dense in float16, a candidate only where ``half``). Pure:
     every rank computes it from the same numbers.
@@ -318,7 +319,10 @@ def choose_density(
     job has run, whose predictions lack the offset a window measures (fp16's casts and residual pass, a density's
     costs beyond its selection): replacing ``current`` by one of them on a prediction needs HYSTERESIS instead of
     FASTER (digits on 4 workers over 100 Mbit/s: fp16 predicted 70 ms against ratio 0.01's measured 81 ms, then
-    measured 131 ms).
+    measured 131 ms). ``abandoned`` (labels): choices this job took and left again at the check one window later:
+    coming back to one of them needs HYSTERESIS too, or two choices whose windows scatter by more than FASTER trade
+    places at every decision (digits in Keras on 4 workers over 100 Mbit/s: fp16 -> 0.03 -> fp16 -> 0.03 at steps
+    224, 236 and 248, each on a 7-24% predicted gain).
     """
     budget = float(config.budget if config.budget is not None else 0.0)
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
@@ -358,7 +362,7 @@ def choose_density(
     if time[cur] > time["dense"] * (1 + 1e-12):  # hysteresis never keeps a density predicted later than dense
         return choice(best, why + " (the current density is predicted later to the target than dense)")
     position = order.index
-    margin = HYSTERESIS if label(best) in unmeasured else FASTER
+    margin = HYSTERESIS if label(best) in unmeasured or label(best) in abandoned else FASTER
     if position(best) < position(current):  # denser than now: with room to spare, or sooner than now
         if time[cur] > time[label(best)] * (1 + margin):
             return choice(best, why + f" (the current density is predicted later to the target than {label(best)})")
@@ -414,11 +418,16 @@ class AutoDensity:
     _probes: Optional[Tuple[float, float, float, float]] = None
     _probed_at: int = -1
     _recheck: bool = False
-    #: Whether the decision now due follows one that kept the choice (confirmable_probes).
+    #: Whether the decision now due follows one that kept the choice (confirmable_probes), or is the check of one
+    #: that changed it (``abandoned``).
     _kept: bool = False
+    _checking: bool = False
     #: What windows of this job have run: "dense", HALF, "sparse" (any density): the others' predictions lack their
     #: measured offset (choose_density's ``unmeasured``).
     measured: List[str] = field(default_factory=list)
+    #: Choices (labels) a check left one window after a change took them: coming back to one needs the hysteresis
+    #: margin (choose_density's ``abandoned``).
+    abandoned: List[str] = field(default_factory=list)
 
     # ---- per step --------------------------------------------------------------------------------------------
     def begin(self, step: int, now: float) -> bool:
@@ -515,7 +524,8 @@ class AutoDensity:
         unmeasured = ([HALF] if HALF not in measured else []) + (
             [label(r) for r in DENSITIES] if "sparse" not in measured else [])
         choice = choose_density(tensors, self.config, m, current=self.ratio, first=self.decisions == 0,
-                                grad_itemsize=grad_itemsize, half=self.half, unmeasured=unmeasured, **terms)
+                                grad_itemsize=grad_itemsize, half=self.half, unmeasured=unmeasured,
+                                abandoned=self.abandoned, **terms)
         return m, terms, choice
 
     def link_settles(self, tensors: Sequence[Tuple[str, int]], m: Measurement, grad_itemsize: int = 4) -> bool:
@@ -538,6 +548,8 @@ class AutoDensity:
         self.measured = sorted(set(self.measured) | {"dense" if window_ratio is None else
                                                      HALF if window_ratio == HALF else "sparse"})
         changed = first or choice.ratio != self.ratio
+        if self._checking and choice.ratio != window_ratio:  # the check of a change left the choice it took
+            self.abandoned = sorted(set(self.abandoned) | {label(window_ratio)})
         if changed:
             self.history = (self.history + [(self.step, label(choice.ratio))])[-HISTORY_KEPT:]
         self.decisions += 1
@@ -568,7 +580,7 @@ class AutoDensity:
         }
         # the check of a change may take this decision's probes, unless this decision took an earlier one's
         self._recheck = changed and self._probed_at == self.step
-        self._kept = not changed
+        self._kept, self._checking = not changed, changed
         self.next_decision = self.step + (SETTLE_STEPS + WINDOW_STEPS if changed else self.config.auto_every)
         self.restart_window()
         return choice
@@ -580,7 +592,7 @@ class AutoDensity:
 
     def decide_soon(self) -> None:
         """Measure again and decide after a fresh window (a load, or workers joined or left)."""
-        self._recheck = self._kept = False  # the link (and who is on it) is probed afresh
+        self._recheck = self._kept = self._checking = False  # the link (and who is on it) is probed afresh
         self.next_decision = self.step + 1 + SETTLE_STEPS + WINDOW_STEPS
         self._samples.clear()
         self._measure_from = self.step + 1 + SETTLE_STEPS
@@ -631,7 +643,7 @@ class AutoDensity:
         return {"ratio": self.ratio, "step": self.step, "next_decision": self.next_decision,
                 "compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s,
                 "half_offset_s": self.half_offset_s, "decisions": self.decisions, "changes": self.changes,
-                "measured": list(self.measured)}
+                "measured": list(self.measured), "abandoned": list(self.abandoned)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         ratio = state.get("ratio")
@@ -643,7 +655,9 @@ class AutoDensity:
         fresh = ratio == HALF and not self.half
         self.ratio = None if fresh else ratio
         self._probes, self._probed_at, self._recheck, self._kept = None, -1, False, False  # a loaded job probes its link
+        self._checking = False
         self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, "sparse"))
+        self.abandoned = sorted(str(k) for k in state.get("abandoned", []) if k in {label(c) for c in CHOICES})
         self.step = int(state.get("step", -1))
         self.next_decision = int(state.get("next_decision", self.step + 1))
         self.compute_s = float(state.get("compute_s", 0.0))
@@ -660,4 +674,4 @@ class AutoDensity:
     def stats(self) -> Dict[str, Any]:
         return {"ratio": self.ratio, "decisions": self.decisions, "changes": self.changes,
                 "next_decision": self.next_decision, "last": dict(self.last),
-                "history": [list(entry) for entry in self.history]}
+                "history": [list(entry) for entry in self.history], "abandoned": list(self.abandoned)}

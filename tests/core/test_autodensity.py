@@ -348,3 +348,36 @@ def test_a_choice_no_window_has_run_needs_the_hysteresis_margin_to_replace_the_c
                 elif gain > 1.25:
                     assert guarded.ratio == moved.ratio
     assert cases, "no decision in the sweep moved on a gain between 5% and 25%"
+
+
+def test_a_choice_left_at_the_check_of_its_change_needs_the_hysteresis_margin_to_come_back():
+    """fp16 taken, measured slower at its check and left: from then on fp16 replaces dense only on a 25% predicted
+    gain (a 12% one moves a job that never left it), and the record survives a checkpoint."""
+    auto = AutoDensity(AUTO, half=True)
+    auto.step = SETTLE_STEPS + WINDOW_STEPS
+    m = link(2.4e9, compute=1.0, select=2e-9)
+    raw = predict_steps(TENSORS, AUTO, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0)[0]
+    dense_step = 1.0 + raw["dense"]
+    assert auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step)).ratio == HALF
+    assert auto.abandoned == []
+    auto.step = auto.next_decision
+    assert auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step + 2.0)).ratio is None
+    assert auto.abandoned == ["fp16"]
+    auto.step = auto.next_decision  # a regular decision that keeps dense records nothing
+    auto.decide(TENSORS, link(1e12))
+    assert auto.abandoned == ["fp16"]
+
+    def regular(abandoned):
+        """A regular dense window after which fp16 is predicted 12% sooner than dense."""
+        job = AutoDensity(AUTO, half=True)
+        job.load_state_dict(auto.state_dict())
+        job.abandoned = abandoned
+        job.ratio, job.step = None, job.step + 200
+        job.half_offset_s = dense_step / 1.12 - (1.0 + raw["fp16"])
+        return job.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step))
+
+    assert AutoDensity(AUTO, half=True).state_dict().get("abandoned") == []
+    back = regular(auto.state_dict()["abandoned"])
+    assert back.ratio is None and "25%" in back.reason
+    assert back.to_target_s["dense"] / back.to_target_s["fp16"] == pytest.approx(1.12)
+    assert regular([]).ratio == HALF
