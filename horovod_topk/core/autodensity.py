@@ -110,6 +110,11 @@ PROBES_KEPT_DECISIONS = 4
 COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry", "lone_s")
 
 
+def window_kind(ratio: Density) -> str:
+    """What a window run at ``ratio`` measures: "dense", HALF, or "sparse" (any density: one offset for all)."""
+    return "dense" if ratio is None else HALF if ratio == HALF else "sparse"
+
+
 def choice_index(ratio: Density) -> int:
     """The position of ``ratio`` (None: dense) in CHOICES."""
     if ratio not in CHOICES:
@@ -418,10 +423,9 @@ class AutoDensity:
     _probes: Optional[Tuple[float, float, float, float]] = None
     _probed_at: int = -1
     _recheck: bool = False
-    #: Whether the decision now due follows one that kept the choice (confirmable_probes), or is the check of one
-    #: that changed it (``abandoned``).
-    _kept: bool = False
-    _checking: bool = False
+    #: What the last decision did, "kept" or "changed" the choice ("" after a load or decide_soon): a decision after
+    #: a kept one may confirm the last probes (confirmable_probes), one after a change is its check (``abandoned``).
+    _last_did: str = ""
     #: What windows of this job have run: "dense", HALF, "sparse" (any density): the others' predictions lack their
     #: measured offset (choose_density's ``unmeasured``).
     measured: List[str] = field(default_factory=list)
@@ -471,8 +475,7 @@ class AutoDensity:
         window before (re-probing it cost ~0.4 s per change on 4 workers over 100 Mbit/s, of a digits job whose
         steps take ~15 s in all). None otherwise: the first decision, a check whose own decision reused probes, and
         every decision after a load or a change of workers probe afresh; a regular one may confirm the last probes
-        (confirmable_probes). The same on every rank: it depends only on
-        decisions, which every rank takes alike."""
+        (confirmable_probes). The same on every rank: it depends only on decisions, which every rank takes alike."""
         return self._probes if self._recheck else None
 
     def confirmable_probes(self) -> Optional[Tuple[float, float, float, float]]:
@@ -480,7 +483,7 @@ class AutoDensity:
         (link_settles): a regular decision after one that kept the choice, with probes at most
         PROBES_KEPT_DECISIONS x auto_every steps old. None otherwise (then the link is probed). The same on every
         rank: it depends only on decisions."""
-        if self._recheck or not self._kept or self._probes is None:
+        if self._recheck or self._last_did != "kept" or self._probes is None:
             return None
         if self.step - self._probed_at > PROBES_KEPT_DECISIONS * int(self.config.auto_every or 0):
             return None
@@ -520,7 +523,7 @@ class AutoDensity:
             before, _, _ = predict_steps(tensors, self.config, m, compute_s=self.compute_s, hidden_s=self.hidden_s,
                                          offset_s=0.0, grad_itemsize=grad_itemsize)
             terms["offset_s"] = m.period_s - before[label(self.ratio)]
-        measured = set(self.measured) | {"dense" if self.ratio is None else HALF if self.ratio == HALF else "sparse"}
+        measured = set(self.measured) | {window_kind(self.ratio)}
         unmeasured = ([HALF] if HALF not in measured else []) + (
             [label(r) for r in DENSITIES] if "sparse" not in measured else [])
         choice = choose_density(tensors, self.config, m, current=self.ratio, first=self.decisions == 0,
@@ -545,10 +548,9 @@ class AutoDensity:
         m, terms, choice = self._weigh(tensors, m, grad_itemsize)
         self.compute_s, self.hidden_s = terms["compute_s"], terms["hidden_s"]
         self.offset_s, self.half_offset_s = terms["offset_s"], terms["half_offset_s"]
-        self.measured = sorted(set(self.measured) | {"dense" if window_ratio is None else
-                                                     HALF if window_ratio == HALF else "sparse"})
+        self.measured = sorted(set(self.measured) | {window_kind(window_ratio)})
         changed = first or choice.ratio != self.ratio
-        if self._checking and choice.ratio != window_ratio:  # the check of a change left the choice it took
+        if self._last_did == "changed" and choice.ratio != window_ratio:  # the check of a change left the choice it took
             self.abandoned = sorted(set(self.abandoned) | {label(window_ratio)})
         if changed:
             self.history = (self.history + [(self.step, label(choice.ratio))])[-HISTORY_KEPT:]
@@ -580,7 +582,7 @@ class AutoDensity:
         }
         # the check of a change may take this decision's probes, unless this decision took an earlier one's
         self._recheck = changed and self._probed_at == self.step
-        self._kept, self._checking = not changed, changed
+        self._last_did = "changed" if changed else "kept"
         self.next_decision = self.step + (SETTLE_STEPS + WINDOW_STEPS if changed else self.config.auto_every)
         self.restart_window()
         return choice
@@ -592,7 +594,7 @@ class AutoDensity:
 
     def decide_soon(self) -> None:
         """Measure again and decide after a fresh window (a load, or workers joined or left)."""
-        self._recheck = self._kept = self._checking = False  # the link (and who is on it) is probed afresh
+        self._recheck, self._last_did = False, ""  # the link (and who is on it) is probed afresh
         self.next_decision = self.step + 1 + SETTLE_STEPS + WINDOW_STEPS
         self._samples.clear()
         self._measure_from = self.step + 1 + SETTLE_STEPS
@@ -654,8 +656,7 @@ class AutoDensity:
         # again after a fresh window (below), as every load does when workers change
         fresh = ratio == HALF and not self.half
         self.ratio = None if fresh else ratio
-        self._probes, self._probed_at, self._recheck, self._kept = None, -1, False, False  # a loaded job probes its link
-        self._checking = False
+        self._probes, self._probed_at, self._recheck, self._last_did = None, -1, False, ""  # a job probes its own link
         self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, "sparse"))
         self.abandoned = sorted(str(k) for k in state.get("abandoned", []) if k in {label(c) for c in CHOICES})
         self.step = int(state.get("step", -1))

@@ -171,7 +171,7 @@ def test_a_regular_decision_takes_the_last_probes_when_a_link_twice_as_fast_or_s
         auto, calls = run(sparse_step_s, [12, 24, 74])
         assert calls == [probed, ["rows"], ["rows"] + probed] and auto.last["probed_at"] == 74
     # after decide_soon (a load, workers changed) the next decision probes, kept choice or not
-    auto._kept = True
+    auto._last_did = "kept"
     auto.decide_soon()
     auto.step, auto._samples[:] = 200, [(0.050, 0.0, 0.002)] * 10
     probes = AgreeingProbes()
