@@ -11,12 +11,13 @@ import tensorflow as tf
 
 from horovod_topk.core.autodensity import HALF
 from horovod_topk.tensorflow import TopKEF, auto_density
-from tests.auto_links import FIRST_DECISION, fast_link, script, slow_link, sparse_slower_than_dense
+from tests.auto_links import (CHECK_STEPS, FIRST_DECISION, FOURTH_DECISION, SECOND_DECISION, THIRD_DECISION,
+                               fast_link, script, slow_link, sparse_slower_than_dense)
 from tests.keras_update_mode_cases import WRAPPERS, _batches, _loss_fn, _model, _same_on_every_rank, _weights, _wrap
 
 keras = tf.keras
 #: dense until the first decision, sparse after it, dense again after the second
-STEPS = 3 * FIRST_DECISION
+STEPS = THIRD_DECISION
 
 
 class _Densities(keras.callbacks.Callback):
@@ -48,7 +49,7 @@ def _changes(seen):
 def test_auto_density_in_fit_follows_each_decision_with_identical_ranks(monkeypatch, wrapper):
     """Gradient mode through model.fit: dense, then sparse, then dense again at the scripted decisions, one traced
     train function for all of them; every rank's weights are the same bytes, and the sparse steps sent less."""
-    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
     compressor.auto.half = False  # the script's sequence is dense <-> sparse
     weights, seen = _fit(compressor, keras.optimizers.SGD(0.1), wrapper)
@@ -62,7 +63,7 @@ def test_auto_density_in_fit_follows_each_decision_with_identical_ranks(monkeypa
 def test_auto_density_in_update_mode_follows_each_decision_with_identical_ranks(monkeypatch):
     """Update mode (each rank's own Adam, its update exchanged) under ratio="auto": the updates follow the density
     in force, and every rank's weights stay the same bytes."""
-    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5, target="update")
     compressor.auto.half = False
     weights, seen = _fit(compressor, keras.optimizers.Adam(1e-2), "horovod.tensorflow.keras")
@@ -75,11 +76,11 @@ def test_auto_density_in_update_mode_follows_each_decision_with_identical_ranks(
 def test_auto_density_in_update_mode_through_fp16_keeps_ranks_identical(monkeypatch):
     """Update mode with fp16 among the choices: sparse, then fp16 (every update dense in float16, its rounding fed
     back), then dense, in one traced train function; every rank's weights stay the same bytes."""
-    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    links = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
-    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION, target="update")
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=CHECK_STEPS, target="update")
     weights, seen = _fit(compressor, keras.optimizers.Adam(1e-2), "horovod.tensorflow.keras",
-                         steps=4 * FIRST_DECISION)
+                         steps=FOURTH_DECISION)
     assert [r if r == HALF else r is None for _, r in _changes(seen)] == [False, HALF, True], seen
     assert _same_on_every_rank(weights, "auto.update.fp16")
     stats = compressor.stats()

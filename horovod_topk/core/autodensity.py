@@ -11,6 +11,7 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
    rows gathered so every rank computes the same numbers); the check one window after a change takes the link
    as that change probed it (AutoDensity.reusable_probes), and a regular decision takes the last probes again
    when its choice would stand on a link half or twice as fast (AutoDensity.confirmable_probes, link_settles);
+   fresh probes within LINK_NOISE of the link the predictions take leave it as it is (AutoDensity.steady_link);
 3. predicts the step time of dense, of dense in float16 (HALF, where the front end can send it) and of every
    density of DENSITIES with core.costmodel's per-tensor routes
    and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
@@ -58,6 +59,9 @@ __all__ = [
     "LINK_MARGIN",
     "PROBES_KEPT_DECISIONS",
     "SETTLE_STEPS",
+    "FIRST_WINDOW_STEPS",
+    "FIRST_DECISION",
+    "LINK_NOISE",
     "Measurement",
     "Choice",
     "link_from_probes",
@@ -96,6 +100,13 @@ WINDOW_STEPS = 10
 #: Steps not measured after a start or a decision: the decision step runs the probes, the next one the rank
 #: agreement checks and new buffers.
 SETTLE_STEPS = 2
+#: Steps measured before the first decision: fewer than WINDOW_STEPS because they run dense whatever the link, and
+#: over a slow link each costs what compressing would have saved (digits on 4 workers over 100 Mbit/s: ~115 ms a
+#: dense step against ~50 ms at ratio 0.01); the first choice is checked one window after it is taken anyway, as
+#: every change is. Six steps still give a median that one slow step does not move.
+FIRST_WINDOW_STEPS = 6
+#: The step of the first decision (dense until then).
+FIRST_DECISION = SETTLE_STEPS + FIRST_WINDOW_STEPS
 #: A regular decision after one that kept the choice takes the last probes again, without probing, when the choice
 #: in force would be kept with the link they measured and with that link this many times slower or faster
 #: (AutoDensity.link_settles): the window's own numbers (compute, the step in force) are fresh either way, and a
@@ -106,6 +117,14 @@ LINK_MARGIN = 2.0
 #: ... and when those probes are at most this many ``auto_every`` old: a sparse step hides a faster link (its few
 #: bytes took little time on the slower one), so the link is probed afresh at least this often.
 PROBES_KEPT_DECISIONS = 4
+#: Fresh probes that read a rate within this factor of the link the predictions take leave that link as it is
+#: (AutoDensity.steady_link). The rates a decision's probes read on one shaped link spread by ~1.3x within a job
+#: (digits in Keras, 4 workers over 100 Mbit/s: 87.5 Mbit/s at the first decision, 115 at step 224), and pricing dense
+#: with each reading moved its prediction a fifth off the step its own window measured (86 ms predicted, 108 ms
+#: measured): enough to leave a density for dense and come back one window later. A link that changes by less
+#: still reaches the predictions through the measured steps (a dense window's hidden term, a sparse window's
+#: offset); one that changes by more is taken as the probes read it.
+LINK_NOISE = 1.5
 #: Columns of one rank's measurement row (reduced with max over ranks).
 COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "select_s_per_entry", "lone_s")
 
@@ -397,8 +416,8 @@ class AutoDensity:
     ratio: Density = None
     #: Steps begun since construction or load (the global step of this compressor).
     step: int = -1
-    #: The step at which the next decision is taken (the first: after SETTLE_STEPS + WINDOW_STEPS dense steps).
-    next_decision: int = SETTLE_STEPS + WINDOW_STEPS
+    #: The step at which the next decision is taken (the first: FIRST_DECISION, after that many dense steps).
+    next_decision: int = FIRST_DECISION
     #: Compute per step (period - wait) and the comm hidden behind it (negative: dense measured slower than the
     #: probes predict), both from the last dense window; and the sparse offset, from the last sparse window.
     #: Compute is not taken from sparse windows: what compression costs beyond its selection shows up there.
@@ -421,6 +440,10 @@ class AutoDensity:
     #: The last probes, reduced over ranks (latency, large, selection per entry, lone: Measurement's fields), the
     #: step they ran at, and whether the decision now due may take them again (reusable_probes).
     _probes: Optional[Tuple[float, float, float, float]] = None
+    #: The link the predictions take (latency, large, lone: the probe fields of a reduced Measurement), and the
+    #: rate the latest fresh probes read (steady_link).
+    _anchor: Optional[Tuple[float, float, float]] = None
+    _probed_bps: float = 0.0
     _probed_at: int = -1
     _recheck: bool = False
     #: What the last decision did, "kept" or "changed" the choice ("" after a load or decide_soon): a decision after
@@ -496,6 +519,19 @@ class AutoDensity:
             self._probes = (m.latency_s, m.large_s, m.select_s_per_entry, m.lone_s)
             self._probed_at = self.step
 
+    def steady_link(self, m: Measurement) -> Measurement:
+        """``m`` (fresh probes, reduced over ranks) with the link the predictions take: the anchor's probe fields
+        while ``m``'s rate is within LINK_NOISE of the anchor's, else ``m``'s own, which become the anchor. The
+        same on every rank: ``m`` is."""
+        self._probed_bps = m.link().bandwidth_bps
+        if self._anchor is not None:
+            latency, large, lone = self._anchor
+            anchored = replace(m, latency_s=latency, large_s=large, lone_s=lone)
+            if 1.0 / LINK_NOISE <= self._probed_bps / anchored.link().bandwidth_bps <= LINK_NOISE:
+                return anchored
+        self._anchor = (m.latency_s, m.large_s, m.lone_s)
+        return m
+
     def window_was_dense(self) -> bool:
         return self.ratio is None
 
@@ -570,6 +606,8 @@ class AutoDensity:
             "window_compute_s": m.compute_s,
             "compute_s": self.compute_s,
             "bandwidth_bps": link.bandwidth_bps,
+            #: what the latest fresh probes read (steady_link keeps ``bandwidth_bps`` within LINK_NOISE of it)
+            "probed_bps": self._probed_bps,
             "latency_s": link.latency_s,
             "hidden_s": self.hidden_s,
             "offset_s": self.offset_s,
@@ -595,6 +633,7 @@ class AutoDensity:
     def decide_soon(self) -> None:
         """Measure again and decide after a fresh window (a load, or workers joined or left)."""
         self._recheck, self._last_did = False, ""  # the link (and who is on it) is probed afresh
+        self._anchor = None
         self.next_decision = self.step + 1 + SETTLE_STEPS + WINDOW_STEPS
         self._samples.clear()
         self._measure_from = self.step + 1 + SETTLE_STEPS
@@ -633,7 +672,9 @@ class AutoDensity:
                                                      if key in target and predicted[key] and target[key] != predicted[key]
                                                      else "")
             for key in dict.fromkeys(("dense", "fp16", label(self.ratio), soonest)) if key in predicted)
-        return (f"horovod-topk auto: step {last.get('step')}: link {last.get('bandwidth_bps', 0) / 1e6:.1f} Mbit/s, "
+        rate, probed = last.get("bandwidth_bps", 0.0), last.get("probed_bps", 0.0)
+        read = f" (probed {probed / 1e6:.1f})" if probed and abs(probed - rate) > 0.01 * rate else ""
+        return (f"horovod-topk auto: step {last.get('step')}: link {rate / 1e6:.1f} Mbit/s{read}, "
                 f"latency {last.get('latency_s', 0) * 1e3:.2f} ms, compute {last.get('compute_s', 0) * 1e3:.0f} ms, "
                 f"measured step {last.get('measured_step_s', 0) * 1e3:.0f} ms; predicted {shown}; "
                 f"-> {label(self.ratio) if self.ratio is None or self.ratio == HALF else f'ratio {self.ratio:g}'} "
@@ -657,6 +698,7 @@ class AutoDensity:
         fresh = ratio == HALF and not self.half
         self.ratio = None if fresh else ratio
         self._probes, self._probed_at, self._recheck, self._last_did = None, -1, False, ""  # a job probes its own link
+        self._anchor = None
         self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, "sparse"))
         self.abandoned = sorted(str(k) for k in state.get("abandoned", []) if k in {label(c) for c in CHOICES})
         self.step = int(state.get("step", -1))

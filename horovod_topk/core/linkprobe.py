@@ -34,7 +34,9 @@ __all__ = [
 #: 100 Mbit/s link by arithmetic (8 MiB x 8 / 1e8).
 PROBE_MIN_BYTES = 256 * 1024
 PROBE_MAX_BYTES = 8 * 1024 * 1024
-SMALL_REPEATS = 5
+#: The lone collective's median is of three: each is a full round of Horovod's negotiation (~36 ms on 4 workers of
+#: the test bed), and its reading varies by a few ms, not by the factor a fourth or fifth would catch.
+SMALL_REPEATS = 3
 LARGE_REPEATS = 2
 #: Small collectives submitted together to measure what one more costs in a step's stream of them.
 BURST = 16
@@ -107,5 +109,7 @@ def measure(auto: AutoDensity, tensors: Sequence[Tuple[str, int]], probes: LinkP
         select = probes.select_seconds_per_entry(max(1024, min(largest, SELECT_PROBE_NUMEL)))
     rows = probes.gather_rows(auto.local_row(marginal, large, select, single))
     m = Measurement.from_rows(rows, moved, world_size)
+    if reused is None:  # fresh probes: within LINK_NOISE of the link the predictions take, that link stays
+        m = auto.steady_link(m)
     auto.remember_probes(m, reused=reused is not None)
     return m

@@ -177,3 +177,25 @@ def test_a_regular_decision_takes_the_last_probes_when_a_link_twice_as_fast_or_s
     probes = AgreeingProbes()
     auto.decide(tensors, linkprobe.measure(auto, tensors, probes, world_size=2))
     assert [c[0] for c in probes.calls] == probed
+
+
+class ScaledProbes(AgreeingProbes):
+    """AgreeingProbes whose large probe takes ``scale`` times as long (a link 1 / scale as fast)."""
+
+    scale = 1.0
+
+    def allreduce_seconds(self, numel, name, repeats):
+        times = super().allreduce_seconds(numel, name, repeats)
+        return times if numel == 1 else [t * self.scale for t in times]
+
+
+def test_fresh_probes_within_the_links_noise_give_the_link_the_first_probes_read():
+    tensors = [("a", 100_000), ("b", 10_000_000)]
+    auto, probes = AutoDensity(TopKConfig(ratio="auto")), ScaledProbes()
+    first = linkprobe.measure(auto, tensors, probes, world_size=2)
+    auto._recheck, auto._last_did = False, ""  # the next decision probes afresh
+    probes.scale = 1 / 1.3
+    again = linkprobe.measure(auto, tensors, probes, world_size=2)
+    assert again.link() == first.link() and auto._probed_bps > 1.2 * first.link().bandwidth_bps
+    probes.scale = 1 / 3
+    assert linkprobe.measure(auto, tensors, probes, world_size=2).link().bandwidth_bps > 2 * first.link().bandwidth_bps

@@ -7,6 +7,8 @@ from horovod_topk.core.autodensity import (
     DENSITIES,
     FASTER,
     HALF,
+    FIRST_DECISION,
+    LINK_NOISE,
     SETTLE_STEPS,
     WINDOW_STEPS,
     AutoDensity,
@@ -177,7 +179,8 @@ def test_hysteresis_keeps_the_density_unless_the_change_is_large():
 
 def test_the_state_object_measures_after_settling_and_decides_on_schedule():
     auto = AutoDensity(AUTO)
-    first = SETTLE_STEPS + WINDOW_STEPS
+    first = FIRST_DECISION
+    assert SETTLE_STEPS < first < SETTLE_STEPS + WINDOW_STEPS  # the dense steps before the first choice are few
     due = [auto.begin(step, now=step * 1.0) for step in range(first + 1)]
     assert due == [False] * first + [True]
     assert len(auto._samples) == first - SETTLE_STEPS  # steps 0..SETTLE_STEPS-1 not measured
@@ -381,3 +384,33 @@ def test_a_choice_left_at_the_check_of_its_change_needs_the_hysteresis_margin_to
     assert back.ratio is None and "25%" in back.reason
     assert back.to_target_s["dense"] / back.to_target_s["fp16"] == pytest.approx(1.12)
     assert regular([]).ratio == HALF
+
+
+def test_probes_that_read_the_link_within_its_noise_leave_the_link_the_predictions_take():
+    """Re-probing the same link reads rates ~1.3x apart; dense, priced with each reading, was predicted a fifth
+    off the step its window measured. Within LINK_NOISE the first probes' link stays (dense predicted at its
+    measured step), beyond it the new reading is taken; a load or new workers probe a link of their own."""
+    auto = AutoDensity(AUTO)
+    assert auto.steady_link(link(1e8)) == link(1e8)  # the first probes are the link
+    near = auto.steady_link(link(1.3e8, compute=0.5))
+    assert near.link().bandwidth_bps == pytest.approx(1e8) and near.compute_s == 0.5  # the window's own numbers
+    assert auto._probed_bps == pytest.approx(1.3e8)
+    assert auto.steady_link(link(1e8 / 1.3)).link().bandwidth_bps == pytest.approx(1e8)
+    assert auto.steady_link(link(2e8)) == link(2e8)  # a link that moved by more than the noise is taken as read
+    assert auto.steady_link(link(1.4e8)).link().bandwidth_bps == pytest.approx(2e8)
+    auto.decide_soon()
+    assert auto.steady_link(link(1.4e8)) == link(1.4e8)
+    auto.load_state_dict(auto.state_dict())
+    assert auto.steady_link(link(3e8)) == link(3e8)
+
+    # dense measured 2 s a step; the next window (sparse) re-probes the link 1.3x faster: dense stays at 2 s
+    for rate, dense_stays in ((1.3e8, True), (2 * LINK_NOISE * 1e8, False)):
+        auto = AutoDensity(AUTO)
+        auto.step = FIRST_DECISION
+        auto.decide(TENSORS, auto.steady_link(link(1e8, compute=0.1, period=2.0)))
+        assert auto.ratio is not None
+        auto.step = auto.next_decision
+        choice = auto.decide(TENSORS, auto.steady_link(link(rate, compute=0.1, period=0.3)))
+        assert (choice.predicted_s["dense"] == pytest.approx(2.0)) is dense_stays, choice.predicted_s["dense"]
+        assert auto.last["probed_bps"] == pytest.approx(rate)
+        assert (f"(probed {rate / 1e6:.1f})" in auto.summary_line()) is dense_stays

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from horovod_topk.torch import ddp_auto
 from horovod_topk.torch.ddp import TopKEFState, update_mode_optimizer
 from tests import auto_links
-from tests.auto_links import FIRST_DECISION
+from tests.auto_links import CHECK_STEPS, FIRST_DECISION, FOURTH_DECISION, SECOND_DECISION, THIRD_DECISION
 
 from .update_workers import BETAS, EPS, LR, logged_step
 from .workers import all_equal_across_ranks, ddp_of, flat_params, make_model, recording_hook, train_step
@@ -21,14 +21,14 @@ from .workers import all_equal_across_ranks, ddp_of, flat_params, make_model, re
 SCRIPTS: Dict[str, Callable[[int], Callable[[int], Any]]] = {
     # sparse from the first decision, back to dense at the second (sparse measured slower), sparse again after
     "changes": lambda step: {FIRST_DECISION: auto_links.slow_link,
-                             2 * FIRST_DECISION: auto_links.sparse_slower_than_dense}.get(step,
-                                                                                          auto_links.much_slower_link),
-    "slow_then_sparse_slower": lambda step: (auto_links.slow_link if step < 2 * FIRST_DECISION
+                             SECOND_DECISION: auto_links.sparse_slower_than_dense}.get(step,
+                                                                                       auto_links.much_slower_link),
+    "slow_then_sparse_slower": lambda step: (auto_links.slow_link if step < SECOND_DECISION
                                              else auto_links.sparse_slower_than_dense),
     # fp16 from the first decision (dense's communication half hidden), dense at the second (a fast link), then the
     # 20x slower link (fp16 again for this model)
     "half": lambda step: {FIRST_DECISION: auto_links.half_link,
-                          2 * FIRST_DECISION: auto_links.fast_link}.get(step, auto_links.much_slower_link),
+                          SECOND_DECISION: auto_links.fast_link}.get(step, auto_links.much_slower_link),
 }
 
 
@@ -77,13 +77,13 @@ def update_invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
     compressed update, the density per step, the decision steps, the bytes sent per step."""
     decided = scripted(script)
     model = make_model(torch.float64)
-    state = TopKEFState(ratio="auto", min_numel=64, auto_every=FIRST_DECISION, target="update",
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, target="update",
                         named_parameters=model.named_parameters(), bucket_bytes=20_000)
     offer_half(state, script)
     ddp = ddp_of(model, state, bucket_cap_mb=0.3)
     opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
     log, ratios, sent = [], [], []
-    for step in range(4 * FIRST_DECISION):
+    for step in range(FOURTH_DECISION):
         before = state.stats()["bytes_sent"]
         log.append(logged_step(model, state, ddp, opt, rank, step, torch.float64))
         ratios.append(state.auto.ratio)
@@ -99,14 +99,14 @@ def invariant(rank: int, world_size: int, script: str, micro_batches: int = 1,
     call, so no step of auto's); ``ddp_options``: more DDP options (static_graph, gradients as bucket views)."""
     decided = scripted(script)
     model = make_model(torch.float64)
-    state = TopKEFState(ratio="auto", min_numel=64, auto_every=FIRST_DECISION)
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS)
     offer_half(state, script)
     log: List[Dict[str, Any]] = []
     ddp = DDP(model, bucket_cap_mb=0.3, **(ddp_options or {}))
     ddp.register_comm_hook(state, recording_hook(log))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ratios, sent = [], []
-    for step in range(4 * FIRST_DECISION):
+    for step in range(FOURTH_DECISION):
         before = state.stats()["bytes_sent"]
         train_step(ddp, opt, rank, step, torch.float64, micro_batches)
         ratios.append(state.auto.ratio)
@@ -117,10 +117,10 @@ def invariant(rank: int, world_size: int, script: str, micro_batches: int = 1,
 
 
 def resume(rank: int, world_size: int, target: str = "gradient") -> Dict[str, Any]:
-    """3 x FIRST_DECISION steps straight, against a checkpoint (model, optimizer, TopKEFState) taken while sparse,
+    """THIRD_DECISION steps straight, against a checkpoint (model, optimizer, TopKEFState) taken while sparse,
     loaded into fresh objects that run the rest (``target="update"``: each rank's own optimizer state)."""
     scripted("slow_then_sparse_slower")
-    save_at, end = FIRST_DECISION + 3, 3 * FIRST_DECISION
+    save_at, end = FIRST_DECISION + 3, THIRD_DECISION
 
     def fresh():
         model = make_model()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.auto_links import FIRST_DECISION
+from tests.auto_links import FIRST_DECISION, SECOND_DECISION
 
 from . import auto_workers, harness
 from .test_ddp_hook import _check_invariant
@@ -70,7 +70,7 @@ def test_fp16_keeps_error_feedback_exact_halves_the_bytes_and_hands_over_to_dens
     ratios = results[0]["ratios"]
     assert all(r["ratios"] == ratios for r in results)
     assert ratios[:FIRST_DECISION] == [None] * FIRST_DECISION
-    assert ratios[FIRST_DECISION] == "fp16" and ratios[2 * FIRST_DECISION] is None and ratios[-1] == "fp16", ratios
+    assert ratios[FIRST_DECISION] == "fp16" and ratios[SECOND_DECISION] is None and ratios[-1] == "fp16", ratios
     sent, dense = results[0]["sent"], results[0]["sent"][0]
     for i, ratio in enumerate(ratios):
         assert sent[i] == (dense if ratio is None else dense // 4), (i, ratio)  # float64 model: 8 -> 2 bytes

@@ -19,8 +19,8 @@ from horovod_topk.core.policy import tensor_payload_layout
 from horovod_topk.tensorflow import TopKEF, auto_density
 
 from tests.tf_allgathers import record_allgathers, topk_exchanges
-from tests.auto_links import (FIRST_DECISION, fast_link, much_slower_link, script, slow_link,
-                               sparse_slower_than_dense)
+from tests.auto_links import (CHECK_STEPS, FIRST_DECISION, FOURTH_DECISION, SECOND_DECISION, THIRD_DECISION,
+                               fast_link, much_slower_link, script, slow_link, sparse_slower_than_dense)
 
 from .tf_harness import apply, batch, loss_fn, make_variables
 
@@ -76,9 +76,9 @@ def test_each_density_sends_its_k_and_error_feedback_stays_exact_through_every_c
     (dense while dense), and over the ranks sum of new residuals + P * reduced == sum of old residuals +
     gradients, across dense -> sparse -> dense (leftovers flushed into the dense step) -> sparse; the variables
     stay identical on every rank."""
-    measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    measured = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
-    compressor = TopKEF(ratio="auto", auto_every=FIRST_DECISION)
+    compressor = TopKEF(ratio="auto", auto_every=CHECK_STEPS)
     compressor.auto.half = False  # the script's sequence is dense <-> sparse; fp16 has its own test below
     previous, ratios = {}, []
 
@@ -110,7 +110,7 @@ def test_each_density_sends_its_k_and_error_feedback_stays_exact_through_every_c
             np.testing.assert_allclose(total[1] + hvd.size() * out.numpy().reshape(-1), total[0], rtol=0, atol=1e-5)
             previous[name] = (r1, sent_bytes)
 
-    params = run(compressor, range(4 * FIRST_DECISION), on_step=check)
+    params = run(compressor, range(FOURTH_DECISION), on_step=check)
     changes = [(i, r) for i, r in enumerate(ratios) if i and r != ratios[i - 1]]
     assert ratios[0] is None and len(changes) >= 3, (changes, decided)
     assert any(r is None for _, r in changes[1:]), changes  # went back to dense at least once
@@ -123,15 +123,15 @@ def test_each_density_sends_its_k_and_error_feedback_stays_exact_through_every_c
 def test_buckets_train_as_the_per_tensor_exchange_through_every_change(monkeypatch):
     """The compressed tensors in one bucket (one allgather in each compressed branch) or each on its own: across
     dense -> sparse -> dense -> sparse the variables, residuals and bytes are the same bit for bit."""
-    measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    measured = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     runs = []
     for bucket_bytes in (1 << 20, 0):
         script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
         built = record_allgathers(monkeypatch)
-        compressor = TopKEF(ratio="auto", auto_every=FIRST_DECISION, min_numel=0, bucket_bytes=bucket_bytes)
+        compressor = TopKEF(ratio="auto", auto_every=CHECK_STEPS, min_numel=0, bucket_bytes=bucket_bytes)
         compressor.auto.half = False
         ratios = []
-        params = run(compressor, range(4 * FIRST_DECISION), on_step=lambda *args: ratios.append(compressor.auto.ratio))
+        params = run(compressor, range(FOURTH_DECISION), on_step=lambda *args: ratios.append(compressor.auto.ratio))
         residuals = {key: record.residual.numpy().copy() for key, record in compressor.registry.records.items()
                      if record.residual is not None}
         runs.append((params, residuals, ratios, compressor.stats()["bytes_sent"], topk_exchanges(built)))
@@ -148,7 +148,7 @@ def test_buckets_train_as_the_per_tensor_exchange_through_every_change(monkeypat
 
 
 def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
-    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
     save_at = FIRST_DECISION + 3
     saved = {}
 
@@ -158,10 +158,10 @@ def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
                                         "topk": compressor.state_dict()}))
 
     compressor = TopKEF(ratio="auto", auto_every=5)
-    straight = run(compressor, range(3 * FIRST_DECISION), on_step=keep)
+    straight = run(compressor, range(THIRD_DECISION), on_step=keep)
     assert saved["topk"]["auto"]["ratio"] is not None  # saved while sparse
     resumed_compressor = TopKEF(ratio="auto", auto_every=5)
-    resumed = run(resumed_compressor, range(save_at + 1, 3 * FIRST_DECISION), state=saved)
+    resumed = run(resumed_compressor, range(save_at + 1, THIRD_DECISION), state=saved)
     for name in straight:
         np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)
     assert resumed_compressor.auto.ratio == compressor.auto.ratio
@@ -207,9 +207,9 @@ def test_fp16_keeps_error_feedback_exact_and_variables_identical_through_its_cha
     rounding on fp16 steps; on each fp16 step each rank's residual holds its own rounding (non-zero, at most half a
     float16 step of gradient + residual); the small tensors go in float16 too; identical variables; fp16 steps send
     2 bytes an entry."""
-    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    links = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
-    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=CHECK_STEPS)
     world = hvd.size()
     raw, sent, bound, ratios, step_bytes, before, half_steps = {}, {}, {}, [], [0], {}, [0]
 
@@ -237,9 +237,9 @@ def test_fp16_keeps_error_feedback_exact_and_variables_identical_through_its_cha
         ratios.append(compressor.auto.ratio)
         step_bytes.append(compressor.stats()["bytes_sent"])
 
-    params = run(compressor, range(4 * FIRST_DECISION), on_step=record)
+    params = run(compressor, range(FOURTH_DECISION), on_step=record)
     assert isinstance(ratios[FIRST_DECISION], float), (ratios, decided)
-    assert ratios[2 * FIRST_DECISION] == HALF and ratios[-1] is None and half_steps[0] > 0, (ratios, decided)
+    assert ratios[SECOND_DECISION] == HALF and ratios[-1] is None and half_steps[0] > 0, (ratios, decided)
     records = {tuple(r.shape): r for r in compressor.registry.records.values()}
     assert len(records) == len(raw)  # every tensor has a shape of its own here
     assert {name: records[raw[name].shape].residual is not None for name in raw} == {name: True for name in raw}
@@ -260,11 +260,11 @@ def test_fp16_keeps_error_feedback_exact_and_variables_identical_through_its_cha
 def test_with_momentum_only_the_tensors_auto_may_select_get_a_momentum_buffer(monkeypatch):
     """DGC momentum under ratio="auto" with fp16 offered: the small tensors (dense or fp16 only) get a residual for
     fp16's rounding but no momentum buffer; through dense -> 0.01 -> fp16 the variables stay identical on every rank."""
-    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    links = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
-    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION, momentum=0.9)
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=CHECK_STEPS, momentum=0.9)
     ratios = []
-    params = run(compressor, range(3 * FIRST_DECISION), on_step=lambda *args: ratios.append(compressor.auto.ratio))
+    params = run(compressor, range(THIRD_DECISION), on_step=lambda *args: ratios.append(compressor.auto.ratio))
     assert HALF in ratios and any(isinstance(r, float) for r in ratios), ratios
     sizes = {key: int(np.prod(record.shape)) for key, record in compressor.registry.records.items()}
     assert set(compressor._residual_vars) == set(sizes)

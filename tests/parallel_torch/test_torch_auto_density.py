@@ -15,8 +15,8 @@ from horovod_topk.core import RankMismatch
 from horovod_topk.torch import TopKEF, auto_density
 
 from horovod_topk.core.autodensity import HALF
-from tests.auto_links import (FIRST_DECISION, fast_link, much_slower_link, script, slow_link,
-                              sparse_slower_than_dense)
+from tests.auto_links import (CHECK_STEPS, FIRST_DECISION, FOURTH_DECISION, SECOND_DECISION, THIRD_DECISION,
+                              fast_link, much_slower_link, script, slow_link, sparse_slower_than_dense)
 
 from .torch_harness import batch, differs
 
@@ -91,9 +91,9 @@ def recorded(compressor, steps, after_synchronize):
 
 
 def test_parameters_are_bit_identical_on_every_rank_through_changes(monkeypatch):
-    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
-    params, _ = run(compressor, range(3 * FIRST_DECISION))
+    params, _ = run(compressor, range(THIRD_DECISION))
     flat = torch.cat([params[n].reshape(-1) for n in sorted(params)])
     everyone = hvd.allgather(flat.unsqueeze(0), name="auto.params")
     assert torch.equal(everyone[0], everyone[1])
@@ -103,9 +103,9 @@ def test_parameters_are_bit_identical_on_every_rank_through_changes(monkeypatch)
 def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch):
     """Per tensor, over all ranks: sum of raw gradients == P * sum of averaged gradients + sum of residuals, across
     dense -> sparse -> dense (leftovers flushed into the dense step) -> sparse."""
-    measured = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    measured = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
-    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=CHECK_STEPS)
     compressor.auto.half = False  # the script's sequence is dense <-> sparse; fp16 has its own test below
     sent, ratios = {}, []
 
@@ -114,7 +114,7 @@ def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch)
             sent[name] = sent.get(name, 0) + p.grad.detach().clone()
         ratios.append(compressor.auto.ratio)
 
-    raw, _ = recorded(compressor, range(4 * FIRST_DECISION), record)
+    raw, _ = recorded(compressor, range(FOURTH_DECISION), record)
     for name, record in sorted(compressor.registry.records.items()):
         residual = record.residual if record.residual is not None else torch.zeros(record.numel)
         total_raw = hvd.allreduce(raw[name].reshape(-1), op=hvd.Sum, name=f"auto.ef.raw.{name}")
@@ -127,7 +127,7 @@ def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch)
 
 
 def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
-    script(monkeypatch, auto_density, lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
+    script(monkeypatch, auto_density, lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
     save_at = FIRST_DECISION + 3
 
     def keep(step, model, opt, compressor, saved):
@@ -135,10 +135,10 @@ def test_checkpoint_resumes_exactly_with_the_density_in_force(monkeypatch):
             saved.update(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                         "topk": compressor.state_dict()}))
 
-    straight, saved = run(TopKEF(ratio="auto", min_numel=256, auto_every=5), range(3 * FIRST_DECISION), on_step=keep)
+    straight, saved = run(TopKEF(ratio="auto", min_numel=256, auto_every=5), range(THIRD_DECISION), on_step=keep)
     assert saved["topk"]["auto"]["ratio"] is not None  # saved while sparse
     resumed_compressor = TopKEF(ratio="auto", min_numel=256, auto_every=5)
-    resumed, _ = run(resumed_compressor, range(save_at + 1, 3 * FIRST_DECISION), state=saved)
+    resumed, _ = run(resumed_compressor, range(save_at + 1, THIRD_DECISION), state=saved)
     assert differs(straight, resumed) == []
 
 
@@ -147,15 +147,15 @@ def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypa
     """Update mode (Adam): the updates follow the density in force (without fp16 among the choices: sparse, then
     back to dense; with it: sparse, fp16, dense); every rank holds the same parameters."""
     if half:
-        links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+        links = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
         script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
     else:
         script(monkeypatch, auto_density,
-               lambda step: slow_link if step < 2 * FIRST_DECISION else sparse_slower_than_dense)
-    compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=FIRST_DECISION if half else 5)
+               lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
+    compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=CHECK_STEPS if half else 5)
     compressor.auto.half = half
     ratios = []
-    params, _ = run(compressor, range((4 if half else 3) * FIRST_DECISION), optimizer="adam",
+    params, _ = run(compressor, range(FOURTH_DECISION if half else THIRD_DECISION), optimizer="adam",
                     on_step=lambda step, m, o, c, s: ratios.append(c.auto.ratio))
     flat = torch.cat([params[n].reshape(-1) for n in sorted(params)])
     everyone = hvd.allgather(flat.unsqueeze(0), name=f"auto.update.params.{half}")
@@ -171,9 +171,9 @@ def test_fp16_keeps_error_feedback_exact_and_parameters_identical_through_its_ch
     float16) -> dense (fp16's residual goes out dense). Per tensor, over all ranks and steps: sum of raw gradients
     == P * sum of averaged gradients + sum of residuals, within the float16 sums' own rounding on fp16 steps (each
     rank's rounding is in its residual); identical parameters; fp16 sends 2 bytes an entry."""
-    links = {FIRST_DECISION: slow_link, 2 * FIRST_DECISION: sparse_slower_than_dense}
+    links = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
-    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=FIRST_DECISION)
+    compressor = TopKEF(ratio="auto", min_numel=256, auto_every=CHECK_STEPS)
     sent, bound, ratios, step_bytes = {}, {}, [], [0]
     world = hvd.size()
 
@@ -187,7 +187,7 @@ def test_fp16_keeps_error_feedback_exact_and_parameters_identical_through_its_ch
         ratios.append(compressor.auto.ratio)
         step_bytes.append(compressor.stats()["bytes_sent"])
 
-    raw, model = recorded(compressor, range(4 * FIRST_DECISION), record)
+    raw, model = recorded(compressor, range(FOURTH_DECISION), record)
     for name, record in sorted(compressor.registry.records.items()):
         residual = record.residual if record.residual is not None else torch.zeros(record.numel)
         total_raw = hvd.allreduce(raw[name].reshape(-1), op=hvd.Sum, name=f"auto.half.raw.{name}")
@@ -195,7 +195,7 @@ def test_fp16_keeps_error_feedback_exact_and_parameters_identical_through_its_ch
         gap = (world * sent[name].reshape(-1) + total_residual - total_raw).abs()
         assert bool((gap <= torch.as_tensor(bound[name]).reshape(-1) + 1e-5).all()), name
     assert isinstance(ratios[FIRST_DECISION], float), (ratios, decided)
-    assert ratios[2 * FIRST_DECISION] == HALF and ratios[-1] is None, (ratios, decided)
+    assert ratios[SECOND_DECISION] == HALF and ratios[-1] is None, (ratios, decided)
     per_step = [b - a for a, b in zip(step_bytes, step_bytes[1:])]
     assert all(b == per_step[0] // 2 for b, r in zip(per_step, ratios) if r == HALF), (per_step, ratios)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
