@@ -440,12 +440,12 @@ class AutoDensity:
     #: The last probes, reduced over ranks (latency, large, selection per entry, lone: Measurement's fields), the
     #: step they ran at, and whether the decision now due may take them again (reusable_probes).
     _probes: Optional[Tuple[float, float, float, float]] = None
+    _probed_at: int = -1
+    _recheck: bool = False
     #: The link the predictions take (latency, large, lone: the probe fields of a reduced Measurement), and the
     #: rate the latest fresh probes read (steady_link).
     _anchor: Optional[Tuple[float, float, float]] = None
     _probed_bps: float = 0.0
-    _probed_at: int = -1
-    _recheck: bool = False
     #: What the last decision did, "kept" or "changed" the choice ("" after a load or decide_soon): a decision after
     #: a kept one may confirm the last probes (confirmable_probes), one after a change is its check (``abandoned``).
     _last_did: str = ""
