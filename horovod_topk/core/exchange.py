@@ -283,6 +283,7 @@ def choose_exchange(
     return best, nbytes
 
 
+@functools.lru_cache(maxsize=64)  # called for every tensor of every fp16 step; pure in its one integer
 def half_limit(world_size: int) -> float:
     """The largest value one rank may send on the fp16 route (DENSE_HALF), so that P ranks' float16 sum cannot
     overflow into an Inf that no rank had; what the clamp cuts stays in the residual.
