@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""What ratio="auto"'s dense and fp16 routes cost a training step against Horovod's own, side by side in one job.
+
+Separate jobs of the same step on this shared 2-core machine differ by more than the 5% the step-time bar allows
+(benchmarks/bench_e2e.py: one 10-step job per method, the transformer's dense step 441-471 ms between jobs of one
+day), so this benchmark steps one model per method in turn within one job, a barrier before each step, and reports
+each method's median step (the slowest rank's) after the warm-up. Methods:
+
+- ``dense``: Horovod's allreduce; ``fp16``: Horovod's ``Compression.fp16``;
+- ``auto-dense``, ``auto-fp16``: ``TopKEF(ratio="auto")`` holding that choice for the whole run: the route auto
+  executes once it has chosen dense or fp16 (its planning per tensor, its error-feedback pass for fp16), without
+  its decisions, whose window and probes would time the other methods' steps in between;
+- ``topk0.01``: TopKEF at ratio 0.01, for reference.
+
+Run it on the test bed's shaped links (one worker per host) or on localhost:
+
+    scripts/testbed.sh run 4 --rate 1gbit -- .venv/bin/python benchmarks/bench_auto_routes.py --model gptlm
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/bench_auto_routes.py --model mlp --steps 60
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+METHODS = ["dense", "fp16", "auto-dense", "auto-fp16", "topk0.01"]
+
+
+def compression_for(method: str, steps: int):
+    import horovod.torch as hvd
+
+    from horovod_topk.core.autodensity import HALF
+    from horovod_topk.torch import TopKEF
+
+    if method in ("dense", "fp16"):
+        return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
+    if method.startswith("auto-"):
+        compression = TopKEF(ratio="auto", target="gradient")
+        compression.auto.ratio = HALF if method == "auto-fp16" else None  # the choice held ...
+        compression.auto.next_decision = steps + 1  # ... through the whole run: no decision is due
+        return compression
+    return TopKEF(ratio=float(method[len("topk"):]), target="gradient")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gptlm", choices=["mlp", "digits", "charlm", "gptlm"])
+    parser.add_argument("--methods", nargs="+", default=["dense", "fp16", "auto-dense", "auto-fp16"],
+                        choices=METHODS)
+    parser.add_argument("--steps", type=int, default=90, help="steps per method, warm-up included")
+    parser.add_argument("--warmup", type=int, default=40, help="steps per method not counted")
+    args = parser.parse_args()
+    if args.warmup >= args.steps:
+        parser.error("--warmup must be below --steps")
+
+    import horovod.torch as hvd
+    import torch
+
+    from bench_e2e import build_model
+
+    hvd.init()
+    torch.set_num_threads(1)
+    runs = []
+    for method in args.methods:  # one model per method: each optimizer's hooks see only its own gradients
+        model, make_opt, batch, loss_fn = build_model(args.model)
+        opt = hvd.DistributedOptimizer(make_opt(model.parameters()), compression=compression_for(method, args.steps),
+                                       named_parameters=[(f"{method}.{n}", p) for n, p in model.named_parameters()])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        runs.append((method, model, opt, batch, loss_fn, []))
+    for step in range(args.steps):
+        for method, model, opt, batch, loss_fn, times in runs:
+            hvd.allreduce(torch.zeros(1), name="routes.barrier")
+            started = time.perf_counter()
+            opt.zero_grad()
+            loss_fn(model, batch(step)).backward()
+            opt.step()
+            took = time.perf_counter() - started
+            times.append(float(hvd.allreduce(torch.tensor([took]), op=hvd.Max, name=f"routes.max.{method}")))
+    if hvd.rank() != 0:
+        return
+    medians = {method: statistics.median(times[args.warmup:]) for method, _, _, _, _, times in runs}
+    baseline = min((medians[m] for m in ("dense", "fp16") if m in medians), default=None)
+    print(f"model {args.model}, {hvd.size()} workers, {args.steps - args.warmup} steps per method after "
+          f"{args.warmup}, methods in turn")
+    print("| method | median step (ms) | mean (ms) | / faster of dense, fp16 |")
+    print("|---|---|---|---|")
+    for method, _, _, _, _, times in runs:
+        counted = times[args.warmup:]
+        ratio = f"{medians[method] / baseline:.3f}" if baseline else "–"
+        print(f"| {method} | {medians[method] * 1e3:.1f} | {statistics.mean(counted) * 1e3:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
