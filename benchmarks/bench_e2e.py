@@ -131,9 +131,9 @@ def worker(method: str, steps: int, warmup: int, model_name: str) -> None:
                                    compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if method.startswith("auto"):  # past the first decision and the check after it: the density chosen's step
-        from horovod_topk.core.autodensity import FIRST_DECISION, SETTLE_STEPS, WINDOW_STEPS
+        from horovod_topk.core.autodensity import CHECK_STEPS, FIRST_DECISION
 
-        warmup = max(warmup, FIRST_DECISION + SETTLE_STEPS + WINDOW_STEPS + 2)
+        warmup = max(warmup, FIRST_DECISION + CHECK_STEPS + 2)
     for _ in range(warmup):
         local_step(opt)
     counter = Path("/sys/class/net/eth0/statistics/tx_bytes")

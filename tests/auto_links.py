@@ -1,10 +1,8 @@
 """Scripted links for ratio="auto"'s multi-worker tests (PyTorch and TensorFlow): measurements a decision is made
 from, the same on every rank as a function of the step, in place of the probes. The collectives, compressor and
 planning stay the real ones."""
-from horovod_topk.core.autodensity import FIRST_DECISION, SETTLE_STEPS, WINDOW_STEPS, Measurement
+from horovod_topk.core.autodensity import CHECK_STEPS, FIRST_DECISION, Measurement
 
-#: Steps from a change to its check (and the auto_every that keeps later decisions on the same grid).
-CHECK_STEPS = SETTLE_STEPS + WINDOW_STEPS
 #: The decisions after the first, when each of them changes the density (or auto_every=CHECK_STEPS).
 SECOND_DECISION = FIRST_DECISION + CHECK_STEPS
 THIRD_DECISION = SECOND_DECISION + CHECK_STEPS

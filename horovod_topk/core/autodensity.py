@@ -61,6 +61,7 @@ __all__ = [
     "SETTLE_STEPS",
     "FIRST_WINDOW_STEPS",
     "FIRST_DECISION",
+    "CHECK_STEPS",
     "LINK_NOISE",
     "Measurement",
     "Choice",
@@ -107,6 +108,8 @@ SETTLE_STEPS = 2
 FIRST_WINDOW_STEPS = 6
 #: The step of the first decision (dense until then).
 FIRST_DECISION = SETTLE_STEPS + FIRST_WINDOW_STEPS
+#: Steps from a change (or a load, or new workers) to the decision that checks it against a fresh window.
+CHECK_STEPS = SETTLE_STEPS + WINDOW_STEPS
 #: A regular decision after one that kept the choice takes the last probes again, without probing, when the choice
 #: in force would be kept with the link they measured and with that link this many times slower or faster
 #: (AutoDensity.link_settles): the window's own numbers (compute, the step in force) are fresh either way, and a
@@ -621,7 +624,7 @@ class AutoDensity:
         # the check of a change may take this decision's probes, unless this decision took an earlier one's
         self._recheck = changed and self._probed_at == self.step
         self._last_did = "changed" if changed else "kept"
-        self.next_decision = self.step + (SETTLE_STEPS + WINDOW_STEPS if changed else self.config.auto_every)
+        self.next_decision = self.step + (CHECK_STEPS if changed else self.config.auto_every)
         self.restart_window()
         return choice
 
@@ -634,7 +637,7 @@ class AutoDensity:
         """Measure again and decide after a fresh window (a load, or workers joined or left)."""
         self._recheck, self._last_did = False, ""  # the link (and who is on it) is probed afresh
         self._anchor = None
-        self.next_decision = self.step + 1 + SETTLE_STEPS + WINDOW_STEPS
+        self.next_decision = self.step + 1 + CHECK_STEPS
         self._samples.clear()
         self._measure_from = self.step + 1 + SETTLE_STEPS
         self._started = None
