@@ -8,9 +8,10 @@ one job, a barrier before each step, and reports each method's median step (the 
 Methods:
 
 - ``dense``: Horovod's allreduce; ``fp16``: Horovod's ``Compression.fp16``;
-- ``auto-dense``, ``auto-fp16``: ``TopKEF(ratio="auto")`` holding that choice for the whole run: the route auto
-  executes once it has chosen dense or fp16 (its planning per tensor, its error-feedback pass for fp16), without
-  its decisions, whose window and probes would time the other methods' steps in between;
+- ``auto-dense``, ``auto-fp16``, ``auto-0.01``: ``TopKEF(ratio="auto")`` holding that choice for the whole run: the
+  route auto executes once it has chosen dense, fp16 or that density (its planning per tensor, its error-feedback
+  pass, its step stamps), without its decisions, whose window and probes would time the other methods' steps in
+  between;
 - ``topk0.01``: TopKEF at ratio 0.01, for reference.
 
 Run it on the test bed's shaped links (one worker per host) or on localhost:
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-METHODS = ["dense", "fp16", "auto-dense", "auto-fp16", "topk0.01"]
+METHODS = ["dense", "fp16", "auto-dense", "auto-fp16", "auto-0.01", "topk0.01"]
 
 
 def compression_for(method: str, steps: int):
@@ -43,8 +44,9 @@ def compression_for(method: str, steps: int):
         return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
     if method.startswith("auto-"):
         compression = TopKEF(ratio="auto", target="gradient")
-        compression.auto.ratio = HALF if method == "auto-fp16" else None  # the choice held ...
-        compression.auto.next_decision = steps + 1  # ... through the whole run: no decision is due
+        held = method[len("auto-"):]
+        compression.auto.ratio = {"fp16": HALF, "dense": None}[held] if held in ("fp16", "dense") else float(held)
+        compression.auto.next_decision = steps + 1  # the choice held through the whole run: no decision is due
         return compression
     return TopKEF(ratio=float(method[len("topk"):]), target="gradient")
 
@@ -63,6 +65,7 @@ def main() -> None:
     import horovod.torch as hvd
     import torch
 
+    import horovod_topk.torch  # noqa: F401  (wraps hvd.DistributedOptimizer before the first call looks it up)
     from bench_e2e import build_model
 
     hvd.init()

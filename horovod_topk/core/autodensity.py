@@ -104,8 +104,8 @@ SETTLE_STEPS = 2
 #: Steps measured before the first decision: fewer than WINDOW_STEPS because they run dense whatever the link, and
 #: over a slow link each costs what compressing would have saved (digits on 4 workers over 100 Mbit/s: ~115 ms a
 #: dense step against ~50 ms at ratio 0.01); the first choice is checked one window after it is taken anyway, as
-#: every change is. Six steps still give a median that one slow step does not move.
-FIRST_WINDOW_STEPS = 6
+#: every change is. Four steps still give a median (of the middle two) that one slow step does not move.
+FIRST_WINDOW_STEPS = 4
 #: The step of the first decision (dense until then).
 FIRST_DECISION = SETTLE_STEPS + FIRST_WINDOW_STEPS
 #: Steps from a change (or a load, or new workers) to the decision that checks it against a fresh window.
@@ -115,7 +115,7 @@ CHECK_STEPS = SETTLE_STEPS + WINDOW_STEPS
 #: (AutoDensity.link_settles): the window's own numbers (compute, the step in force) are fresh either way, and a
 #: link that moved less could change nothing. The rates a decision's probes measured on one shaped link of this
 #: project's test bed spread by ~1.4x between jobs (100.9-142.6 Mbit/s through 100 Mbit/s). A decision's probes
-#: cost ~0.4 s on 4 workers over 100 Mbit/s (5 lone collectives, two of the model's bytes, a burst).
+#: cost ~0.4 s on 4 workers over 100 Mbit/s (3 lone collectives, two of the model's bytes, a burst, the rows).
 LINK_MARGIN = 2.0
 #: ... and when those probes are at most this many ``auto_every`` old: a sparse step hides a faster link (its few
 #: bytes took little time on the slower one), so the link is probed afresh at least this often.

@@ -45,8 +45,9 @@ AUTO = "auto"
 #: With ratio="auto": the share of the step that communication (and compression) may take beyond what overlaps
 #: compute. 10%: a job pays at most a tenth of its step for a density as high as the link allows.
 DEFAULT_BUDGET = 0.1
-#: With ratio="auto": steps between decisions once the density has settled (each decision probes the link with
-#: two allreduces; after a change the next decision comes after one window, to check the prediction).
+#: With ratio="auto": steps between decisions once the density has settled (a decision that probes the link runs a
+#: few small collectives and two allreduces of the model's bytes; after a change the next decision comes after one
+#: window, to check the prediction).
 DEFAULT_AUTO_EVERY = 200
 #: With ratio="auto": density d is taken to need d ** -sparsity_cost times dense's steps to dense's loss, so a
 #: density is chosen for the time it saves to the target, not per step. 0.1 (0.01 -> 1.58x dense's steps, 0.1 ->

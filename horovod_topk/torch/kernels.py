@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import warnings
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["load", "remove_stale_lock"]
+__all__ = ["load", "load_in_background", "remove_stale_lock"]
 
 #: A build lock older than this was left by a process killed while compiling (one compile takes about a minute
 #: here): torch's builder would wait on it forever, so every later training job would hang in its first step.
@@ -24,8 +25,12 @@ STALE_LOCK_SECONDS = 15 * 60
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("topk_kernels.cpp", "sparse_rounds.cpp", "half_route.cpp")]
+_NAME = "horovod_topk_kernels"
 _module: Optional[ModuleType] = None
 _failed = False
+#: One load at a time: a step's first compress waits here for a load the background thread started.
+_loading = threading.Lock()
+_background: Optional[threading.Thread] = None
 
 
 def remove_stale_lock(build_dir: str, max_age: float = STALE_LOCK_SECONDS) -> bool:
@@ -48,9 +53,16 @@ def remove_stale_lock(build_dir: str, max_age: float = STALE_LOCK_SECONDS) -> bo
 
 def load(verbose: bool = False) -> Optional[ModuleType]:
     """The compiled kernel module, or None (after one warning) when it cannot be built here."""
-    global _module, _failed
     if _module is not None or _failed:
         return _module
+    with _loading:
+        if _module is None and not _failed:
+            _build(verbose)
+    return _module
+
+
+def _build(verbose: bool) -> None:
+    global _module, _failed
     # pip installs the ninja binary next to the interpreter; make it findable even without an activated venv
     bindir = os.path.dirname(sys.executable)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
@@ -58,11 +70,37 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load as build
 
-        remove_stale_lock(_get_build_directory("horovod_topk_kernels", verbose=False))
-        _module = build(name="horovod_topk_kernels", sources=_SOURCES, extra_cflags=["-O3"], verbose=verbose)
+        remove_stale_lock(_get_build_directory(_NAME, verbose=False))
+        _module = build(name=_NAME, sources=_SOURCES, extra_cflags=["-O3"], verbose=verbose)
     except Exception as exc:  # no compiler, no ninja, read-only cache...: fall back, loudly
         _failed = True
         warnings.warn(f"horovod-topk: could not build the fused kernels ({exc}); using the slower pure-torch "
                       f"paths instead (the sampled selector, the sparse allreduce's arithmetic): same results",
-                      stacklevel=2)
-    return _module
+                      stacklevel=3)
+
+
+def load_in_background() -> None:
+    """Start :func:`load` on a daemon thread when the module is built already, and return at once.
+
+    Why: loading imports torch's extension builder (and setuptools with it), hashes the sources and opens the
+    module: 100-270 ms of host time, measured per process on 4 workers sharing 2 cores, that the first compressed
+    step (ratio="auto": the first decision's timed selection) would otherwise wait for. A compressor starts it when
+    it is built, so it overlaps the model's setup and, with ratio="auto", the dense first steps, which wait on the
+    link. A module not built yet is left to the first step (compiling takes a minute; a daemon thread killed at exit
+    would leave the build half done); a later :func:`load` waits for this one to finish."""
+    global _background
+    if _module is not None or _failed or _background is not None:
+        return
+    _background = threading.Thread(target=_load_if_built, name="horovod-topk-kernels", daemon=True)
+    _background.start()
+
+
+def _load_if_built() -> None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        built = os.path.exists(os.path.join(_get_build_directory(_NAME, verbose=False), _NAME + ".so"))
+    except Exception:  # the first step's load reports whatever is wrong
+        return
+    if built:
+        load()

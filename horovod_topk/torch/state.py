@@ -13,7 +13,7 @@ import torch
 from ..core import PayloadLayout, TensorRecord
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
 from ..core.exchange import DENSE_HALF
-from . import encoding, ops
+from . import encoding, kernels, ops
 from .half_route import to_half
 from .selection import Backend, backend_for, compress_tensor, dtype_token
 
@@ -26,6 +26,10 @@ WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 
 class TorchResiduals:
     """Mixin for a core.CompressorState over torch tensors (needs ``self.config``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        kernels.load_in_background()  # ready by the first compressed step (torch.kernels)
 
     config: Any
     auto: Any

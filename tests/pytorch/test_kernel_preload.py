@@ -1,0 +1,54 @@
+"""The fused kernels start loading when a compressor is built (torch.kernels.load_in_background), in a process of
+their own each: the module is loaded once, whoever asks first, and a module not built yet is never compiled on the
+background thread."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(script: str, **env: str) -> str:
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_building_a_compressor_loads_the_built_kernels_on_a_thread_and_a_later_load_gets_the_same_module():
+    from horovod_topk.torch import kernels
+
+    if kernels.load() is None:
+        pytest.skip("the fused kernels cannot be built here")
+    out = run("import sys\n"
+              "from horovod_topk.torch import kernels\n"
+              "from horovod_topk.torch import TopKEF\n"
+              "from horovod_topk.torch.ddp import TopKEFState\n"
+              "assert kernels._module is None and kernels._background is None\n"
+              "TopKEF(ratio=0.01)\n"
+              "thread = kernels._background\n"
+              "assert thread is not None and thread.daemon\n"
+              "module = kernels.load()\n"  # waits for the thread's load instead of loading a second time
+              "thread.join(60)\n"
+              "assert not thread.is_alive() and module is not None and kernels._module is module\n"
+              "TopKEFState(ratio='auto')\n"
+              "assert kernels._background is thread\n"  # nothing started again
+              "print('ok')\n")
+    assert out.strip() == "ok"
+
+
+def test_kernels_not_built_yet_are_left_to_the_first_step(tmp_path):
+    # an empty extension cache: the thread must neither compile (a minute, killed with the process at exit) nor
+    # leave a build lock behind
+    out = run("from horovod_topk.torch import kernels\n"
+              "from horovod_topk.torch import TopKEF\n"
+              "TopKEF(ratio='auto')\n"
+              "kernels._background.join(60)\n"
+              "assert not kernels._background.is_alive()\n"
+              "assert kernels._module is None and not kernels._failed\n"
+              "print('ok')\n", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert out.strip() == "ok"
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], list(tmp_path.rglob("*"))
