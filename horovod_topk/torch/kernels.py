@@ -33,6 +33,17 @@ _loading = threading.Lock()
 _background: Optional[threading.Thread] = None
 
 
+def _forked() -> None:
+    """A process forked while the background load ran (a DataLoader's workers) has the lock held by a thread it
+    does not have: its own load must not wait for it."""
+    global _loading, _background
+    _loading = threading.Lock()
+    _background = None
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def remove_stale_lock(build_dir: str, max_age: float = STALE_LOCK_SECONDS) -> bool:
     """Remove ``build_dir/lock`` when it is older than ``max_age`` seconds; True when one was removed."""
     lock = os.path.join(build_dir, "lock")

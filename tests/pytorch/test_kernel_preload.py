@@ -11,9 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(script: str, **env: str) -> str:
+def run(script: str, timeout: float = 300, **env: str) -> str:
     environ = dict(os.environ, PYTHONPATH=str(ROOT), **env)
-    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -52,3 +53,21 @@ def test_kernels_not_built_yet_are_left_to_the_first_step(tmp_path):
               "print('ok')\n", TORCH_EXTENSIONS_DIR=str(tmp_path))
     assert out.strip() == "ok"
     assert not [p for p in tmp_path.rglob("*") if p.is_file()], list(tmp_path.rglob("*"))
+
+
+def test_a_process_forked_during_the_load_loads_on_its_own():
+    from horovod_topk.torch import kernels
+
+    if kernels.load() is None:
+        pytest.skip("the fused kernels cannot be built here")
+    # the lock held as by a background load at the moment of the fork: the child's load must not wait for a
+    # thread it does not have
+    out = run("import os\n"
+              "from horovod_topk.torch import kernels\n"
+              "kernels._loading.acquire()\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    os._exit(0 if kernels.load() is not None else 3)\n"
+              "_, status = os.waitpid(pid, 0)\n"
+              "print(os.waitstatus_to_exitcode(status))\n", timeout=60)  # a wait on the lock: a hang
+    assert out.strip() == "0"
