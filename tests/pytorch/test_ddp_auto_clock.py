@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from horovod_topk.core import TopKConfig
-from horovod_topk.core.autodensity import SETTLE_STEPS, WINDOW_STEPS, AutoDensity
+from horovod_topk.core.autodensity import FIRST_DECISION, SETTLE_STEPS, WINDOW_STEPS, AutoDensity
 from horovod_topk.torch.ddp_auto import StepClock
 from horovod_topk.torch.wait_stamps import CudaStamps, HostStamps
 
@@ -50,7 +50,8 @@ def run_step(clock: StepClock, state: State, wait_s: float, compute_s: float = 0
 
 def test_a_steps_wait_is_counted_in_that_step_and_no_other():
     clock, state = StepClock(), State()
-    waits = [0.0, 0.0, 0.0, 0.03, 0.0, 0.06, 0.0]
+    waits = [0.0] * SETTLE_STEPS + [0.03, 0.0, 0.06]
+    assert len(waits) < FIRST_DECISION  # every step in the first window: no decision (it needs a process group)
     for wait in waits:
         run_step(clock, state, wait)
     clock.bucket(state, Bucket(0, False), group=None)  # the next step begins: the last one is closed
