@@ -9,6 +9,7 @@ results up to ties.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -110,8 +111,19 @@ def _load_if_built() -> None:
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        built = os.path.exists(os.path.join(_get_build_directory(_NAME, verbose=False), _NAME + ".so"))
-    except Exception:  # the first step's load reports whatever is wrong
+        built = os.path.getmtime(os.path.join(_get_build_directory(_NAME, verbose=False), _NAME + ".so"))
+        current = built >= max(os.path.getmtime(source) for source in _SOURCES)
+    except Exception:  # not built (or not readable): the first step's load builds it, or reports what is wrong
         return
-    if built:
+    if current:  # sources edited since the build would compile again here: left to the first step as well
         load()
+
+
+def _finish_background_load() -> None:
+    """At exit, let a background load finish: one that went on to compile (torch's builder decides by a hash of
+    more than the sources) and was killed with the process would leave its build lock for the next job."""
+    if _background is not None:
+        _background.join()
+
+
+atexit.register(_finish_background_load)

@@ -11,10 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(script: str, timeout: float = 300, **env: str) -> str:
-    environ = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+def run(script: str, timeout: float = 300, cwd: Path = ROOT, **env: str) -> str:
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -71,3 +71,26 @@ def test_a_process_forked_during_the_load_loads_on_its_own():
               "_, status = os.waitpid(pid, 0)\n"
               "print(os.waitstatus_to_exitcode(status))\n", timeout=60)  # a wait on the lock: a hang
     assert out.strip() == "0"
+
+
+def test_sources_edited_since_the_build_are_left_to_the_first_step(tmp_path):
+    from horovod_topk.torch import kernels
+
+    if kernels.load() is None:
+        pytest.skip("the fused kernels cannot be built here")
+    # a copy of the package whose kernel sources are newer than the built module: the background thread must not
+    # start the compile that torch's builder would run for them
+    import shutil
+
+    package = tmp_path / "horovod_topk"
+    shutil.copytree(ROOT / "horovod_topk", package)
+    for source in (package / "torch" / "csrc").glob("*.cpp"):
+        source.touch()
+    out = run("from horovod_topk.torch import kernels\n"
+              "from horovod_topk.torch import TopKEF\n"
+              f"assert kernels.__file__.startswith({str(tmp_path)!r}), kernels.__file__\n"
+              "TopKEF(ratio=0.01)\n"
+              "kernels._background.join(60)\n"
+              "assert kernels._module is None and not kernels._failed\n"
+              "print('ok')\n", cwd=tmp_path, PYTHONPATH=str(tmp_path))
+    assert out.strip() == "ok"
