@@ -19,11 +19,17 @@ def run(script: str, timeout: float = 300, cwd: Path = ROOT, **env: str) -> str:
     return done.stdout
 
 
-def test_building_a_compressor_loads_the_built_kernels_on_a_thread_and_a_later_load_gets_the_same_module():
+@pytest.fixture
+def built_kernels() -> None:
+    """The module built in the shared cache (scripts/setup.sh builds it), which the background load looks for."""
     from horovod_topk.torch import kernels
 
     if kernels.load() is None:
         pytest.skip("the fused kernels cannot be built here")
+
+
+def test_building_a_compressor_loads_the_built_kernels_on_a_thread_and_a_later_load_gets_the_same_module(
+        built_kernels):
     out = run("import sys\n"
               "from horovod_topk.torch import kernels\n"
               "from horovod_topk.torch import TopKEF\n"
@@ -55,11 +61,7 @@ def test_kernels_not_built_yet_are_left_to_the_first_step(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.is_file()], list(tmp_path.rglob("*"))
 
 
-def test_a_process_forked_during_the_load_loads_on_its_own():
-    from horovod_topk.torch import kernels
-
-    if kernels.load() is None:
-        pytest.skip("the fused kernels cannot be built here")
+def test_a_process_forked_during_the_load_loads_on_its_own(built_kernels):
     # the lock held as by a background load at the moment of the fork: the child's load must not wait for a
     # thread it does not have
     out = run("import os\n"
@@ -73,11 +75,7 @@ def test_a_process_forked_during_the_load_loads_on_its_own():
     assert out.strip() == "0"
 
 
-def test_sources_edited_since_the_build_are_left_to_the_first_step(tmp_path):
-    from horovod_topk.torch import kernels
-
-    if kernels.load() is None:
-        pytest.skip("the fused kernels cannot be built here")
+def test_sources_edited_since_the_build_are_left_to_the_first_step(built_kernels, tmp_path):
     # a copy of the package whose kernel sources are newer than the built module: the background thread must not
     # start the compile that torch's builder would run for them
     import shutil
