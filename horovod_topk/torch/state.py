@@ -29,7 +29,8 @@ class TorchResiduals:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        kernels.load_in_background()  # ready by the first compressed step (torch.kernels)
+        if not torch.cuda.is_available():  # a GPU job's gradients take the Triton kernels, not these
+            kernels.load_in_background()  # ready by the first compressed step (torch.kernels)
 
     config: Any
     auto: Any

@@ -69,21 +69,20 @@ def test_a_process_forked_during_the_load_loads_on_its_own(built_kernels):
               "kernels._loading.acquire()\n"
               "pid = os.fork()\n"
               "if pid == 0:\n"
+              "    import signal\n"
+              "    signal.alarm(30)\n"  # a child waiting on the lock ends instead of hanging on
               "    os._exit(0 if kernels.load() is not None else 3)\n"
               "_, status = os.waitpid(pid, 0)\n"
               "print(os.waitstatus_to_exitcode(status))\n", timeout=60)  # a wait on the lock: a hang
     assert out.strip() == "0"
 
 
-def test_sources_edited_since_the_build_are_left_to_the_first_step(built_kernels, tmp_path):
-    # a copy of the package whose kernel sources are newer than the built module: the background thread must not
-    # start the compile that torch's builder would run for them
+def test_another_checkouts_sources_are_left_to_the_first_step(built_kernels, tmp_path):
+    # a copy of the package: the shared cache's module was built from other paths, which torch's builder would
+    # compile again for these sources; the background thread must not start that
     import shutil
 
-    package = tmp_path / "horovod_topk"
-    shutil.copytree(ROOT / "horovod_topk", package)
-    for source in (package / "torch" / "csrc").glob("*.cpp"):
-        source.touch()
+    shutil.copytree(ROOT / "horovod_topk", tmp_path / "horovod_topk")
     out = run("from horovod_topk.torch import kernels\n"
               "from horovod_topk.torch import TopKEF\n"
               f"assert kernels.__file__.startswith({str(tmp_path)!r}), kernels.__file__\n"
@@ -91,4 +90,46 @@ def test_sources_edited_since_the_build_are_left_to_the_first_step(built_kernels
               "kernels._background.join(60)\n"
               "assert kernels._module is None and not kernels._failed\n"
               "print('ok')\n", cwd=tmp_path, PYTHONPATH=str(tmp_path))
+    assert out.strip() == "ok"
+
+
+def test_a_module_older_than_its_sources_is_left_to_the_first_step(tmp_path):
+    # a cache whose module names these sources but was built before their last edit: torch's builder would compile
+    # again; the background thread must neither do that nor write anything
+    from horovod_topk.torch import kernels
+
+    build = tmp_path / "horovod_topk_kernels"
+    build.mkdir()
+    (build / "build.ninja").write_text("".join(f"build x.o: compile {source}\n" for source in kernels._SOURCES))
+    module = build / "horovod_topk_kernels.so"
+    module.write_bytes(b"")
+    os.utime(module, (0, 0))
+    before = sorted(p.name for p in build.iterdir())
+    out = run("from horovod_topk.torch import kernels\n"
+              "from horovod_topk.torch import TopKEF\n"
+              "TopKEF(ratio=0.01)\n"
+              "kernels._background.join(60)\n"
+              "assert kernels._module is None and not kernels._failed and kernels._unreported is None\n"
+              "print('ok')\n", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert out.strip() == "ok"
+    assert sorted(p.name for p in build.iterdir()) == before and module.stat().st_mtime == 0
+
+
+def test_a_failure_on_the_thread_is_warned_about_once_by_the_callers_load(built_kernels):
+    out = run("import warnings\n"
+              "import torch.utils.cpp_extension as builder\n"
+              "def broken(**_):\n"
+              "    raise RuntimeError('no compiler today')\n"
+              "builder.load = broken\n"
+              "from horovod_topk.torch import kernels\n"
+              "from horovod_topk.torch import TopKEF\n"
+              "with warnings.catch_warnings(record=True) as caught:\n"
+              "    warnings.simplefilter('always')\n"
+              "    TopKEF(ratio=0.01)\n"
+              "    kernels._background.join(60)\n"
+              "    assert kernels._failed and not caught, caught\n"  # nothing warned on the thread
+              "    assert kernels.load() is None and kernels.load() is None\n"
+              "assert len(caught) == 1 and 'no compiler today' in str(caught[0].message), caught\n"
+              "assert caught[0].filename == '<string>', caught[0].filename\n"  # points at the caller
+              "print('ok')\n")
     assert out.strip() == "ok"
