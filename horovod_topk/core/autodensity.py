@@ -458,6 +458,11 @@ class AutoDensity:
     #: Choices (labels) a check left one window after a change took them: coming back to one needs the hysteresis
     #: margin (choose_density's ``abandoned``).
     abandoned: List[str] = field(default_factory=list)
+    #: Update-mode optimizers (their scopes, core.scopes) whose last step ran as gradient mode because this state
+    #: held dense or fp16 (:attr:`holds_dense`): their ranks' own optimizer state is the same on every rank and
+    #: their residuals hold gradients, not updates. Saved, so that a resumed job neither averages what is equal
+    #: nor mistakes what its residuals hold (the front end's update step keeps it: torch.update_mode).
+    shared_scopes: List[str] = field(default_factory=list)
 
     # ---- per step --------------------------------------------------------------------------------------------
     def begin(self, step: int, now: float) -> bool:
@@ -649,6 +654,12 @@ class AutoDensity:
         return config_at(self.config, float(self.ratio))  # type: ignore[arg-type]
 
     @property
+    def holds_dense(self) -> bool:
+        """Whether the choice in force sends every tensor dense (dense, or fp16): then an update-mode optimizer
+        runs the step as gradient mode (core.update_mode, "The gradient route")."""
+        return self.ratio is None or self.ratio == HALF
+
+    @property
     def held_route(self) -> str:
         """How a tensor goes while :meth:`effective_config` is None: DENSE_HALF while fp16 is in force, else DENSE."""
         return DENSE_HALF if self.ratio == HALF else DENSE
@@ -689,7 +700,8 @@ class AutoDensity:
         return {"ratio": self.ratio, "step": self.step, "next_decision": self.next_decision,
                 "compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s,
                 "half_offset_s": self.half_offset_s, "decisions": self.decisions, "changes": self.changes,
-                "measured": list(self.measured), "abandoned": list(self.abandoned)}
+                "measured": list(self.measured), "abandoned": list(self.abandoned),
+                "shared_scopes": list(self.shared_scopes)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         ratio = state.get("ratio")
@@ -704,6 +716,7 @@ class AutoDensity:
         self._anchor = None
         self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, "sparse"))
         self.abandoned = sorted(str(k) for k in state.get("abandoned", []) if k in {label(c) for c in CHOICES})
+        self.shared_scopes = sorted(str(scope) for scope in state.get("shared_scopes", []))
         self.step = int(state.get("step", -1))
         self.next_decision = int(state.get("next_decision", self.step + 1))
         self.compute_s = float(state.get("compute_s", 0.0))

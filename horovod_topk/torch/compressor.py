@@ -38,7 +38,7 @@ from .half_route import HalfHandle
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
 from .state import TorchResiduals
-from .update_mode import LocalHandle
+from .update_mode import GRADIENT_ROUTE, LOCAL_ROUTE, LocalHandle
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather", "allgather_handle"]
 
@@ -145,9 +145,10 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         #: exchange that holds a bucket's payloads until its last member arrives (torch.buckets).
         self.bucket_table = BucketTable()
         self._bucketed = BucketedExchange(self.bucket_table, self._sparse, self)
-        #: The scopes (core.scopes) of the optimizers that run update mode (TopKConfig.target resolved for each by
-        #: core.update_mode.resolve_target when it was wrapped): their gradients stay on their rank.
-        self.update_scopes: Set[str] = set()
+        #: The update steps (torch.update_mode.UpdateStep) of the optimizers that run update mode (TopKConfig.target
+        #: resolved for each by core.update_mode.resolve_target when it was wrapped), by scope (core.scopes): their
+        #: gradients stay on their rank, except on the gradient route (core.update_mode).
+        self.update_scopes: Dict[str, Any] = {}
         #: Names of gradients held in update mode whose first-step agreement check has started (again after a load,
         #: as for every record; the update's own record is keyed by parameter name, not by these names).
         self._held_verified: Set[str] = set()
@@ -171,25 +172,48 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
 
         The caller issues the dense allreduce itself for a None, so that dense tensors of a group stay one
         grouped collective. For an optimizer in update mode the gradient stays on this rank (torch.update_mode
-        exchanges the update after the local step).
+        exchanges the update after the local step), except while ratio="auto" holds dense or fp16: then the step
+        runs as gradient mode (core.update_mode, "The gradient route"), the gradient exchanged in its update's
+        record (one residual and step count per parameter whichever the route).
         """
-        if pending.scope in self.update_scopes:
-            return self._hold_local(tensor, pending, name, process_set)
-        return self.start_exchange(tensor, pending, name, op=op, prescale_factor=prescale_factor,
-                                   postscale_factor=postscale_factor, process_set=process_set)
+        update_step = self.update_scopes.get(pending.scope)
+        if update_step is None:
+            return self.start_exchange(tensor, pending, name, op=op, prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor, process_set=process_set)
+        if not self._update_runs_as_gradient(name, tensor, process_set):
+            update_step.take_route(LOCAL_ROUTE)
+            pending.route = "local"
+            pending.check = self._held_check(tensor, name, process_set)
+            return LocalHandle(tensor)
+        update_step.take_route(GRADIENT_ROUTE)  # the step's first gradient takes the update residuals out
+        held_check = self._held_check(tensor, name, process_set)
+        handle = self.start_exchange(tensor, pending, update_tensor_name(name), op=op,
+                                     prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                     process_set=process_set)
+        pending.check = _both_checks(held_check, pending.check)
+        return handle
 
-    def _hold_local(self, tensor: torch.Tensor, pending: PendingReduction, name: str, process_set: Any) -> LocalHandle:
-        """Update mode's gradient: no collective; on the tensor's first step the ranks' agreement check, under the
-        name gradient mode gives it, so that a rank in the other mode meets it and both raise instead of hanging."""
-        pending.route = "local"
-        if name not in self._held_verified:  # no registry record: the update's own is keyed by parameter name
-            self._held_verified.add(name)
-            update = torch.empty((), dtype=torch.float32).expand(tensor.shape)  # what will travel: a float32 update
-            record = self.registry.records.get(update_tensor_name(name))
-            step = record.steps if record is not None else 0
-            plan = self._plan(name, update, step, process_set.size())
-            pending.check = self._agreement_check(name, update, step, plan.k, process_set, plan.exchange)
-        return LocalHandle(tensor)
+    def _update_runs_as_gradient(self, name: str, tensor: torch.Tensor, process_set: Any) -> bool:
+        """Whether this step of an update-mode optimizer runs as gradient mode: ratio="auto" holds dense or fp16.
+        Asked at each gradient; the step's first one takes the step's decision when one is due (every rank reaches
+        the same step's first gradient, and nothing of the step is in flight yet), so the route holds for the step."""
+        if self.auto is None:
+            return False
+        record = self.registry.record(update_tensor_name(name), tuple(tensor.shape))
+        self._auto_begin(record.steps, tensor, process_set)
+        return self.auto.holds_dense
+
+    def _held_check(self, tensor: torch.Tensor, name: str, process_set: Any) -> Optional["AgreementCheck"]:
+        """On an update-mode gradient's first step, the ranks' agreement check under the name gradient mode gives
+        it, so that a rank in the other mode meets it and both raise instead of hanging; None after."""
+        if name in self._held_verified:  # no registry record: the update's own is keyed by parameter name
+            return None
+        self._held_verified.add(name)
+        update = torch.empty((), dtype=torch.float32).expand(tensor.shape)  # what will travel: a float32 update
+        record = self.registry.records.get(update_tensor_name(name))
+        step = record.steps if record is not None else 0
+        plan = self._plan(name, update, step, process_set.size())
+        return self._agreement_check(name, update, step, plan.k, process_set, plan.exchange)
 
     def _plan(self, name: str, tensor: torch.Tensor, step: int, world_size: int) -> TensorPlan:
         """core's plan for ``tensor`` at ``step``: dense or Top-K, k, and the exchange (with ratio="auto", under
@@ -298,6 +322,8 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
 
     def _after_load(self) -> None:
         self._forget_agreements()
+        for update_step in self.update_scopes.values():  # a loaded state ends the step in progress
+            update_step.forget_step()
         self._bucketed.abandon_in_flight()
         if getattr(self, "_sparse_allreduce", None) is not None:
             self._sparse_allreduce.abandon_in_flight()
@@ -324,3 +350,16 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         rows = torch.tensor([fingerprint(self.config, tuple(tensor.shape), tensor.dtype, step, k, route)],
                             dtype=torch.int64)
         return AgreementCheck(name, allgather_async(rows, name=check_name(name), process_set=process_set), synchronize)
+
+
+def _both_checks(first: Optional[Callable[[], None]], second: Optional[Callable[[], None]]
+                 ) -> Optional[Callable[[], None]]:
+    """One agreement check that runs ``first`` then ``second`` (either may be None)."""
+    if first is None or second is None:
+        return first if second is None else second
+
+    def both() -> None:
+        first()
+        second()
+
+    return both

@@ -82,6 +82,56 @@ class LocalUpdates:
             return self._calibrated_updates(entries)
         return self._local_updates(entries)
 
+    def compute_averaged(self, entries: Entries) -> Optional[List[torch.Tensor]]:
+        """Each entry's update from the *averaged* gradient now in ``p.grad`` (the gradient route: core.update_mode),
+        the same on every rank from the same state: Adam/AdamW's update with the second moment fed the square of
+        the averaged gradient (per entry, or per block for the shared one), or the user's own step (``"local"``:
+        the parameters move here, and the list is empty). No collective. None when an averaged gradient is
+        non-finite (on every rank alike: the step is skipped and nothing moves)."""
+        gradients = [self._gradient(p) for _, p in entries]
+        if gradients and not bool(torch.stack([torch.isfinite(g).all() for g in gradients]).all()):
+            return None
+        if self.second_moment not in COMPUTED_SECOND_MOMENTS:
+            self.user_class.step(self.optimizer)
+            return []
+        hyper, group_of = self._hyperparameters()
+        updates = []
+        for (name, p), gradient in zip(entries, gradients):
+            lr, beta1, beta2, eps, weight_decay, decoupled = hyper[group_of[id(p)]]
+            if weight_decay and not decoupled:  # Adam's L2 penalty is part of the gradient both moments see
+                gradient = gradient.add(p.detach(), alpha=weight_decay)
+            if self.second_moment == "shared":
+                state = self._shared_state(name, p)
+                state["step"] += 1
+                update_rule.update_second_moment(
+                    state["shared_exp_avg_sq"],
+                    update_rule.block_mean_squares(gradient, self.config.second_moment_block).to(p.device), beta2)
+                updates.append(update_rule.adam_update(
+                    p.detach(), gradient, self.first_moment(name, p), state["shared_exp_avg_sq"], int(state["step"]),
+                    lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay if decoupled else 0.0,
+                    decoupled=decoupled, block=self.config.second_moment_block))
+                continue
+            state = self._own_state(name, p)
+            state["step"] += 1
+            update_rule.update_second_moment(state["exp_avg_sq"], gradient.float().square(), beta2)
+            updates.append(update_rule.adam_update(
+                p.detach(), gradient, state["exp_avg"], state["exp_avg_sq"], int(state["step"]), lr=lr, beta1=beta1,
+                beta2=beta2, eps=eps, weight_decay=weight_decay if decoupled else 0.0, decoupled=decoupled))
+        return updates
+
+    def own_state(self, name: str, p: torch.nn.Parameter) -> List[torch.Tensor]:
+        """The tensors of ``p``'s optimizer state that are this rank's own (they differ between ranks in update
+        mode): the first moment, and the calibrated second moment, or every floating-point tensor of a ``"local"``
+        optimizer's state. The shared second moment and the step are the same everywhere already."""
+        if self.second_moment == "shared":
+            self._shared_state(name, p)
+            return [self.first_moment(name, p)]
+        if self.second_moment == "calibrated":
+            state = self._own_state(name, p)
+            return [state["exp_avg"], state["exp_avg_sq"]]
+        return [value for key, value in sorted(self.optimizer.state[p].items())
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0]
+
     def initialize_state(self, entries: Entries) -> bool:
         """Give every entry the state its second moment keeps (created, or adopted from an Adam state) before a
         start-up broadcast of the optimizer state; returns whether an Adam state was adopted into the shared

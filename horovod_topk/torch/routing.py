@@ -275,8 +275,9 @@ def install() -> None:
             else:
                 compressor.add_buckets(_named_parameters(optimizer, arguments["named_parameters"]), scope)
         if target == "update":  # the step exchanges updates (torch.update_mode)
-            UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize).install()
-            compressor.update_scopes.add(scope)
+            update_step = UpdateStep(distributed, compressor, scope, dense_allreduce_async_, horovod_synchronize)
+            update_step.install()
+            compressor.update_scopes[scope] = update_step
         elif compressor.auto is not None:  # ratio="auto" measures what the step waits for its gradients
             install_wait_timer(distributed, compressor.auto)
         return distributed

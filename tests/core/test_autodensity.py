@@ -207,10 +207,12 @@ def test_the_state_object_measures_after_settling_and_decides_on_schedule():
     back = auto.decide(TENSORS, slow)
     assert auto.offset_s > 4.0 and back.ratio is None
 
+    auto.shared_scopes.append("opt1.")  # an update-mode optimizer whose last step ran as gradient mode
     saved = auto.state_dict()
     other = AutoDensity(AUTO)
     other.load_state_dict(saved)
     assert other.state_dict() == saved and other.effective_config() is None
+    assert other.shared_scopes == ["opt1."] and other.holds_dense
     with pytest.raises(ValueError, match="density"):
         other.load_state_dict({**saved, "ratio": 0.5})
 
