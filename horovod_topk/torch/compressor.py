@@ -38,7 +38,8 @@ from .half_route import HalfHandle
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
 from .state import TorchResiduals
-from .update_mode import GRADIENT_ROUTE, LOCAL_ROUTE, LocalHandle
+from .gradient_route import GRADIENT_ROUTE, LOCAL_ROUTE
+from .update_mode import LocalHandle
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather", "allgather_handle"]
 

@@ -33,7 +33,7 @@ order); its allgather and the bucket's other collectives complete asynchronously
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook checks the hook's annotations as
 # objects (dist.GradBucket, torch.futures.Future[torch.Tensor]), not strings.
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,9 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         self.buckets_grouped = 0
         #: With ratio="auto": where each step begins and what it waited for (torch.ddp_auto).
         self._clock = StepClock() if config.auto else None
+        #: Update mode's optimizer step (torch.ddp_update.DDPUpdateStep), once update_mode_optimizer made one: the
+        #: hook tells it which route each step takes (torch.gradient_route).
+        self.update_step: Any = None
         #: (group, its size, this rank in it) as last asked of torch.distributed: a group's size and ranks never
         #: change, and asking costs host time in every bucket.
         self._group_shape: Optional[Tuple[Any, int, int]] = None
@@ -200,6 +203,8 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         self._forget_agreements()
         if self._clock is not None:  # the stamps of a step in progress belong to the state just replaced
             self._clock = StepClock()
+        if self.update_step is not None:  # so does the route of a step in progress
+            self.update_step.route.forget()
 
     def _extra_stats(self) -> Dict[str, Any]:
         return {"buckets": {"reduced": self.buckets_reduced, "compressed": self.buckets_compressed,
@@ -215,6 +220,7 @@ class TopKEFState(TorchResiduals, CompressorState[torch.Tensor]):
         state["_verified"] = set()
         state["_layouts"] = {}
         state["_group_shape"] = None
+        state["update_step"] = None
         # the grouped selection's buffers: the records' residuals are views of them, a sharing plain pickle does not
         # keep; without it the first step copies every residual into a new buffer again (torch.bucket_select)
         state.pop("_grouped_selection", None)
@@ -245,21 +251,24 @@ def topk_ef_hook(state: TopKEFState, bucket: dist.GradBucket) -> torch.futures.F
     DDP's default allreduce does it (divide, then sum), bit for bit.
     """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    if state.target == "update":  # the gradient stays here; the optimizer's step exchanges updates
-        from .ddp_update import hold
+    if state.target == "update":  # the gradient stays here (torch.ddp_update), or takes the gradient route
+        from .ddp_update import reduce_in_update_mode
 
-        return hold(state, bucket, group)
+        return reduce_in_update_mode(state, bucket, group)
     if state._clock is not None:
         state._clock.bucket(state, bucket, group)
         return state._clock.launched(bucket, _reduce(state, bucket, group))
     return _reduce(state, bucket, group)
 
 
-def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any) -> torch.futures.Future[torch.Tensor]:
-    """The bucket's plan executed: its collectives launched, the Future of its averaged gradients returned."""
+def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any,
+            key: Callable[[str], str] = lambda name: name) -> torch.futures.Future[torch.Tensor]:
+    """The bucket's plan executed: its collectives launched, the Future of its averaged gradients returned. ``key``
+    names each member's record (update mode's gradient route keeps a parameter's residual in its update's)."""
     world_size, rank = state.group_shape(group)
     buffer = bucket.buffer()
     members, shapes = state.bucket_members(bucket)
+    members = [(key(name), numel) for name, numel in members]
     plan = state.plan(members, buffer, world_size)
     if plan.name not in state._verified:
         _check_agreement(state, plan, buffer, group, world_size)

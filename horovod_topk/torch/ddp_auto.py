@@ -12,9 +12,10 @@ under Horovod; what only the hook can do is say where a step begins and what it 
   the optimizer may step, the twin of Horovod's ``synchronize()``. The selection's time inside the hook is
   counted as compression (torch.state), so it is not counted twice.
 
-**Update mode** (torch.ddp_update) exchanges after the local step, not from the hook: there a step begins where
-the optimizer's ``step()`` starts planning its updates (:meth:`StepClock.begin`, every rank at the same step), and
-the wait is its wait for the updates' collectives, as under Horovod's update mode.
+**Update mode** (torch.ddp_update) begins its steps at bucket 0 as well, where the decision fixes the step's route:
+on the gradient route (auto holding dense or fp16) the buckets are reduced and timed as above; otherwise the
+updates are exchanged after the local step, and the wait is the optimizer's wait for their collectives
+(:meth:`StepClock.ready`, :meth:`StepClock.done`), as under Horovod's update mode.
 
 **On GPUs** a collective's future completes when its work is queued on a stream, not when it is done, so the wait
 is timed with CUDA events (torch.wait_stamps) and the probes synchronise the device around each timed collective.

@@ -18,8 +18,13 @@ A communication hook sees gradients and never the step, so update mode takes two
    the sketches), then the updates in buckets of ``bucket_bytes`` (in name order, the same on every rank) through
    the hook's own executor (torch.bucket_step + ddp.launch: one selection and one allgather or sparse allreduce per
    bucket, the small tensors in one allreduce), and every rank subtracts the same averaged update: bit-identical
-   parameters. With ``ratio="auto"`` this is where a step begins for its clock (torch.ddp_auto: a decision due is
-   taken before the updates are planned) and what it waits for.
+   parameters. With ``ratio="auto"`` the step begins at the hook's bucket 0 (torch.ddp_auto: a decision due is
+   taken there), and the wait for the updates' collectives is what the step waits for.
+
+While ratio="auto" holds dense or fp16 a step takes the gradient route instead (core.update_mode): the hook reduces
+each bucket as in gradient mode (its members' residuals in their update records), and ``step()`` makes the ranks'
+own state their mean on entering the route (torch.gradient_route), then takes the same update from the averaged
+gradient on every rank, with no collective.
 
 Residuals are keyed ``update.<parameter name>`` in the hook's state, apart from gradient residuals, so that
 ``state.state_dict()`` per rank (with each rank's ``optimizer.state_dict()``: update mode's optimizer states differ
@@ -35,9 +40,36 @@ import torch.distributed as dist
 
 from ..core.update_mode import NONFINITE_NAME, resolve_target, update_tensor_name
 from .bucket_step import BucketStep
+from .gradient_route import GRADIENT_ROUTE, LOCAL_ROUTE, GradientRoute
 from .local_updates import LocalUpdates
 
-__all__ = ["hold", "DDPUpdateStep", "update_mode_optimizer"]
+__all__ = ["reduce_in_update_mode", "hold", "DDPUpdateStep", "update_mode_optimizer"]
+
+
+def _waited(handle: Tuple[Any, torch.Tensor]) -> torch.Tensor:
+    """The tensor of an in-place ``dist.all_reduce`` started by DDPUpdateStep._allreduce_sum_async, once done."""
+    work, tensor = handle
+    work.wait()
+    return tensor
+
+
+def reduce_in_update_mode(state: Any, bucket: dist.GradBucket, group: Any) -> torch.futures.Future[torch.Tensor]:
+    """The hook in update mode. With ratio="auto" a step begins at bucket 0 (torch.ddp_auto: a decision due is
+    taken there, before any of the step's collectives), which fixes the step's route (torch.gradient_route): while
+    auto holds dense or fp16 the bucket is reduced as in gradient mode, into its members' update records, and the
+    optimizer's step takes the update from the averaged gradient; otherwise (and at a fixed ratio) :func:`hold`."""
+    step = state.update_step
+    clock = state._clock
+    if clock is None or step is None:
+        return hold(state, bucket, group)
+    clock.bucket(state, bucket, group)
+    if not state.auto.holds_dense:
+        step.route.take(LOCAL_ROUTE, step.entries)
+        return hold(state, bucket, group)
+    from .ddp import _reduce
+
+    step.route.take(GRADIENT_ROUTE, step.entries)
+    return clock.launched(bucket, _reduce(state, bucket, group, update_tensor_name))
 
 
 def hold(state: Any, bucket: dist.GradBucket, group: Any) -> torch.futures.Future[torch.Tensor]:
@@ -89,6 +121,11 @@ class DDPUpdateStep:
         self.second_moment = self.local.second_moment
         #: Steps every rank skipped because some rank's gradient held NaN/Inf.
         self.skipped_steps = 0
+        #: Which route each step takes (the hook says, at bucket 0), and what entering and leaving the gradient
+        #: route do (torch.gradient_route).
+        self.route = GradientRoute(self.local, state, "", self._allreduce_sum_async, _waited,
+                                   lambda: dist.get_world_size(self.group))
+        state.update_step = self
 
     def install(self) -> torch.optim.Optimizer:
         """Replace the optimizer instance's ``step`` (its class stays the user's); returns the optimizer."""
@@ -109,6 +146,9 @@ class DDPUpdateStep:
         dist.all_reduce(values, group=self.group)
         return values
 
+    def _allreduce_sum_async(self, values: torch.Tensor, name: str) -> Tuple[Any, torch.Tensor]:
+        return dist.all_reduce(values, group=self.group, async_op=True), values
+
     def entries(self) -> List[Tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of every parameter the optimizer steps that requires a gradient, in name order: the
         same list on every rank (a parameter without a gradient on this rank contributes a zero one)."""
@@ -120,6 +160,17 @@ class DDPUpdateStep:
         entries = self.entries()
         if not entries:
             return
+        if self.route.close_step() == GRADIENT_ROUTE:  # the hook averaged the gradients (torch.gradient_route)
+            self.route.share(entries)
+            updates = self.local.compute_averaged(entries)
+            if updates is None:  # an averaged gradient is non-finite: on every rank alike
+                self.skipped_steps += 1
+                return
+            with torch.no_grad():
+                for (_, p), update in zip(entries, updates):
+                    p.sub_(update.view_as(p).to(p.dtype))
+            return
+        self.route.absorb(entries)
         if not self._all_finite(entries):
             self.skipped_steps += 1
             return
@@ -157,13 +208,10 @@ class DDPUpdateStep:
     def _exchange_and_apply(self, entries: List[Tuple[str, torch.nn.Parameter]],
                             updates: List[torch.Tensor]) -> None:
         """The updates through the hook's bucket executor; every rank subtracts the same averaged update. With
-        ratio="auto" the step's clock starts here (torch.ddp_auto: a decision due is taken before any plan) and its
-        wait is the wait for these collectives."""
+        ratio="auto" the step's wait is the wait for these collectives (its clock began at the hook's bucket 0)."""
         from .ddp import _check_agreement, launch
 
         clock = self.state._clock
-        if clock is not None:
-            clock.begin(self.state, self.group, entries[0][1].device)
         world_size = dist.get_world_size(self.group)
         launched = []
         for positions in self._buckets(entries):

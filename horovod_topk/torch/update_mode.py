@@ -40,15 +40,11 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from ..core import PendingReduction
-from ..core.update_mode import NONFINITE_NAME, NORMALISING_OPTIMIZERS, share_name, update_tensor_name
+from ..core.update_mode import NONFINITE_NAME, NORMALISING_OPTIMIZERS, update_tensor_name
+from .gradient_route import GRADIENT_ROUTE, GradientRoute
 from .local_updates import LocalUpdates
 
-__all__ = ["UpdateStep", "LocalHandle", "adapt_broadcast_optimizer_state", "GRADIENT_ROUTE", "LOCAL_ROUTE"]
-
-#: How a step of update mode reduces (core.update_mode): the gradients held on their ranks and the updates exchanged,
-#: or, while ratio="auto" holds dense or fp16, the gradients exchanged as in gradient mode ("The gradient route").
-LOCAL_ROUTE = "local"
-GRADIENT_ROUTE = "gradient"
+__all__ = ["UpdateStep", "LocalHandle", "adapt_broadcast_optimizer_state"]
 
 
 
@@ -94,13 +90,6 @@ class UpdateStep:
         self.skipped_steps = 0
         #: Whether the updates' buckets are in the compressor's table (on the first step).
         self._bucketed = False
-        #: The route this step's gradients took (set by the compressor at each gradient: take_route), and the one
-        #: the last synchronize() found, which step() follows.
-        self._step_route: Optional[str] = None
-        self._route = LOCAL_ROUTE
-        #: Update residuals the first gradient of a step entering the gradient route took out of their records
-        #: (parameter, residual), applied by that step's synchronize() once averaged.
-        self._leftover_updates: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         #: Each rank's local update under the second moment (torch.local_updates), over Horovod's collectives.
         self.local = LocalUpdates(optimizer, self.user_class, compressor.registry, self.config, scope,
                                   self._allreduce_sum, lambda: self._process_set().size())
@@ -108,6 +97,9 @@ class UpdateStep:
         #: one was asked of an optimizer it cannot compute)
         self.second_moment = self.local.second_moment
         self.class_name = self.local.class_name
+        #: Which route each step takes, and what entering and leaving the gradient route do (torch.gradient_route).
+        self.route = GradientRoute(self.local, compressor, scope, self._allreduce_sum_async, self._wait,
+                                   lambda: self._process_set().size())
         from horovod.torch.mpi_ops import Sum
 
         if getattr(optimizer, "op", None) == Sum and self.class_name in NORMALISING_OPTIMIZERS:
@@ -122,19 +114,18 @@ class UpdateStep:
         horovod_synchronize = optimizer.synchronize  # resolves the held handles and first-step agreement checks
 
         def synchronize(_: Any) -> None:
-            route = self._step_route or self._route
             waiting = time.perf_counter()
             horovod_synchronize()
+            route = self.route.close_step()
             if route == GRADIENT_ROUTE and self.compressor.auto is not None:  # what the step waits, as in gradient mode
                 self.compressor.auto.waited(time.perf_counter() - waiting)
-            self._step_route, self._route = None, route
             if self._process_set().included():
                 entries = self._entries()
                 if route == GRADIENT_ROUTE:
                     self._refuse_sparse(entries)
-                    self._share_state(entries)
+                    self.route.share(entries)
                     return
-                self._absorb_gradient_residuals(entries)
+                self.route.absorb(entries)
                 self._densify_sparse_gradients(entries)
                 self._agree_finite(entries)
 
@@ -181,85 +172,12 @@ class UpdateStep:
 
     # ---- the gradient route (core.update_mode) ----------------------------------------------------------------
     def take_route(self, route: str) -> None:
-        """The compressor's word on how this step's gradient goes (the same for every gradient of a step: the route
-        is fixed at its first). The first gradient of a step that enters the gradient route takes the update
-        residuals out of their records, where the gradients' exchange would otherwise add them to a gradient."""
-        if self._step_route is None:
-            self._step_route = route
-            if route == GRADIENT_ROUTE and not self._state_shared():
-                self._take_update_residuals()
-        elif self._step_route != route:
-            raise RuntimeError(f"horovod-topk: one step of update mode took both the {self._step_route!r} and the "
-                               f"{route!r} route (ratio='auto' changed its choice within a step)")
+        """The compressor's word on how this step's gradients go (torch.gradient_route.GradientRoute.take)."""
+        self.route.take(route, self._entries)
 
     def forget_step(self) -> None:
-        """Drop what the step in progress noted (a loaded state replaced the records its residuals came from)."""
-        self._step_route, self._leftover_updates = None, []
-
-    def _state_shared(self) -> bool:
-        auto = self.compressor.auto
-        return auto is not None and self.scope in auto.shared_scopes
-
-    def _mark_shared(self, shared: bool) -> None:
-        auto = self.compressor.auto
-        if shared and self.scope not in auto.shared_scopes:
-            auto.shared_scopes.append(self.scope)
-        elif not shared and self.scope in auto.shared_scopes:
-            auto.shared_scopes.remove(self.scope)
-
-    def _take_update_residuals(self) -> None:
-        records = self.compressor.registry.records
-        for name, p in self._entries():
-            record = records.get(update_tensor_name(self.scope + name))
-            if record is not None and record.residual is not None:
-                self._leftover_updates.append((p, record.residual))
-                record.residual = None
-
-    def _share_state(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> None:
-        """On the first step of the gradient route: every rank's own optimizer state (LocalUpdates.own_state)
-        becomes the ranks' mean, and the mean of the update residuals taken out at the step's first gradient is
-        applied to the parameters, so that the same update from the same averaged gradient keeps every rank's
-        parameters equal. Once per entry into the route (not again while it holds, nor after a resume within it)."""
-        if self._state_shared():
-            return
-        from horovod.torch.mpi_ops import Sum
-
-        process_set = self._process_set()
-        leftovers = {id(p): residual for p, residual in self._leftover_updates}
-        self._leftover_updates = []
-        residuals, started = [], []
-        for name, p in entries:
-            residual = leftovers.get(id(p))
-            if residual is None:  # every rank sends one, zeros where it had none
-                residual = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-            residuals.append(residual)
-            for index, tensor in enumerate(self.local.own_state(name, p) + [residual]):
-                started.append(self._dense_allreduce_async_(tensor, name=share_name(self.scope + name, index),
-                                                            op=Sum, process_set=process_set))
-        size = process_set.size()
-        for handle in started:
-            self._wait(handle).div_(size)  # in place: each state tensor is the ranks' mean now
-        with torch.no_grad():
-            for (_, p), residual in zip(entries, residuals):
-                p.sub_(residual.view_as(p).to(p.dtype))
-        self._mark_shared(True)
-
-    def _absorb_gradient_residuals(self, entries: List[Tuple[str, torch.nn.Parameter]]) -> None:
-        """On the first step back in update mode after the gradient route: what fp16 left in the records is
-        gradient, this rank's own; it joins this rank's gradient before the local step (error feedback keeps it)."""
-        if not self._state_shared():
-            return
-        records = self.compressor.registry.records
-        with torch.no_grad():
-            for name, p in entries:
-                record = records.get(update_tensor_name(self.scope + name))
-                if record is None or record.residual is None:
-                    continue
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.add_(record.residual.view_as(p.grad).to(p.grad.dtype))
-                record.residual = None
-        self._mark_shared(False)
+        """Drop what the step in progress noted (a loaded state replaced the records it took residuals from)."""
+        self.route.forget()
 
     # ---- the collectives ------------------------------------------------------------------------------------
     def _entries(self) -> List[Tuple[str, torch.nn.Parameter]]:
@@ -282,6 +200,11 @@ class UpdateStep:
         from horovod.torch.mpi_ops import global_process_set
 
         return getattr(self.optimizer, "process_set", global_process_set)
+
+    def _allreduce_sum_async(self, values: torch.Tensor, name: str) -> Any:
+        from horovod.torch.mpi_ops import Sum
+
+        return self._dense_allreduce_async_(values, name=name, op=Sum, process_set=self._process_set())
 
     def _allreduce_sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
         from horovod.torch.mpi_ops import Sum
@@ -331,7 +254,7 @@ class UpdateStep:
     def step(self) -> None:
         entries = self._entries()
         self._bucket_updates(entries)
-        if self._route == GRADIENT_ROUTE:
+        if self.route.last == GRADIENT_ROUTE:
             self._skip = False
             updates = self.local.compute_averaged(entries)
             if updates is None:  # an averaged gradient is non-finite: on every rank alike

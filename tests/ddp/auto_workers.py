@@ -165,3 +165,71 @@ def disagree(rank: int, world_size: int, how: str) -> str:
     except Exception as error:  # DDP re-raises the hook's RankMismatch from backward()
         return f"{type(error).__name__} at step {state.auto.step}: {error}"
     return "no error"
+
+
+def update_held_dense(rank: int, world_size: int) -> Dict[str, Any]:
+    """Update mode (Adam) with auto kept dense by a fast link: the gradient route, against DDP's own allreduce and
+    torch's Adam on the same batches; the route of every step and the averaged gradient after the last."""
+    SCRIPTS["fast"] = lambda step: auto_links.fast_link
+    scripted("fast")
+    plain_model = make_model()
+    plain = ddp_of(plain_model, None, bucket_cap_mb=0.3)
+    plain_opt = torch.optim.Adam(plain_model.parameters(), LR, betas=BETAS, eps=EPS)
+    model = make_model()
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, target="update",
+                        named_parameters=model.named_parameters())
+    ddp = ddp_of(model, state, bucket_cap_mb=0.3)
+    opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
+    routes = []
+    for step in range(FIRST_DECISION + 6):
+        train_step(plain, plain_opt, rank, step)
+        train_step(ddp, opt, rank, step)
+        routes.append(opt.topk_update_step.route.last)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return {"plain": flat_params(plain_model), "ours": flat_params(model), "routes": routes,
+            "ratio": state.auto.ratio, "decisions": state.auto.decisions,
+            "same": all_equal_across_ranks(flat_params(model)), "grads_same": all_equal_across_ranks(grads)}
+
+
+def update_entering(rank: int, world_size: int) -> Dict[str, Any]:
+    """Update mode (Adam): sparse from the first decision, dense (the gradient route) from the second. The entering
+    step runs at learning rate 0: what it changed in the parameters, against minus the ranks' mean update residual,
+    and each first moment against Adam's on the mean of the ranks' first moments and the averaged gradient."""
+    scripted("slow_then_sparse_slower")
+    model = make_model(torch.float64)
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, target="update",
+                        named_parameters=model.named_parameters(), bucket_bytes=20_000)
+    offer_half(state, None)
+    ddp = ddp_of(model, state, bucket_cap_mb=0.3)
+    opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
+    routes, out = [], {}
+    group = torch.distributed.group.WORLD
+
+    def mean(t):
+        t = t.clone()
+        torch.distributed.all_reduce(t, group=group)
+        return t / world_size
+
+    for step in range(SECOND_DECISION + 3):
+        if step == SECOND_DECISION:
+            residuals = {n: state.registry.records["update." + n].residual for n, _ in model.named_parameters()}
+            out["had_residuals"] = sum(int(r is not None and bool(r.any())) for r in residuals.values())
+            expected = {n: p.detach().clone() - mean(residuals[n] if residuals[n] is not None
+                                                     else torch.zeros(p.numel(), dtype=p.dtype)).view_as(p)
+                        for n, p in model.named_parameters()}
+            moments = {n: mean(opt.state[p]["exp_avg"]) for n, p in model.named_parameters()}
+            opt.param_groups[0]["lr"] = 0.0
+        train_step(ddp, opt, rank, step, torch.float64)
+        routes.append(opt.topk_update_step.route.last)
+        if step == SECOND_DECISION:
+            opt.param_groups[0]["lr"] = LR
+            out["param_gap"] = max(float((p.detach() - expected[n]).abs().max()) for n, p in model.named_parameters())
+            out["moment_gap"] = max(float((opt.state[p]["exp_avg"] - (BETAS[0] * moments[n] + (1 - BETAS[0])
+                                                                          * p.grad.float())).abs().max())
+                                    for n, p in model.named_parameters())
+            out["moments_same"] = all_equal_across_ranks(torch.cat([opt.state[p]["exp_avg"].reshape(-1)
+                                                                    for p in model.parameters()]))
+            out["residuals_left"] = [n for n, _ in model.named_parameters()
+                                     if state.registry.records["update." + n].residual is not None]
+    out.update(routes=routes, shared=list(state.auto.shared_scopes), same=all_equal_across_ranks(flat_params(model)))
+    return out

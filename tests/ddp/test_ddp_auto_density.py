@@ -126,3 +126,23 @@ def test_ranks_that_part_raise_together(how, named):
         assert named in message
     if how == "decision":  # at the decision's step, before any payload of another size was exchanged
         assert all(f"at step {FIRST_DECISION}:" in m for m in messages), messages
+
+
+def test_update_mode_held_dense_is_adam_on_the_averaged_gradient():
+    """Update mode with auto kept dense: every step takes the gradient route (the hook reduces the buckets), and the
+    model trains as DDP's allreduce with torch's Adam; the averaged gradient is in .grad on every rank."""
+    results = harness.run(auto_workers.update_held_dense, 2)
+    for r in results:
+        assert r["routes"] == ["gradient"] * len(r["routes"]) and r["ratio"] is None and r["decisions"] >= 1
+        # Adam's rounding differs between torch's kernels and the update rule: a step moves a weight by up to 1e-2
+        torch.testing.assert_close(r["ours"], r["plain"], rtol=1e-5, atol=1e-5)
+        assert r["same"] and r["grads_same"]
+
+
+def test_update_mode_entering_the_gradient_route_averages_state_and_applies_the_mean_residual():
+    results = harness.run(auto_workers.update_entering, 2)
+    for r in results:
+        assert r["had_residuals"] >= 1
+        assert r["routes"][SECOND_DECISION - 1] == "local" and r["routes"][SECOND_DECISION:] == ["gradient"] * 3
+        assert r["param_gap"] < 1e-12 and r["moment_gap"] < 1e-6, r
+        assert r["moments_same"] and r["same"] and r["residuals_left"] == [] and r["shared"] == [""]

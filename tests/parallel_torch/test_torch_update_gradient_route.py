@@ -77,7 +77,7 @@ def test_held_dense_is_adam_on_the_averaged_gradient(monkeypatch):
     compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=CHECK_STEPS)
     routes = []
     model, _ = train(compressor, range(FIRST_DECISION + 6),
-                     after=lambda step, m, o: routes.append(o.topk_update_step._route))
+                     after=lambda step, m, o: routes.append(o.topk_update_step.route.last))
     reference, _ = train(hvd.Compression.none, range(FIRST_DECISION + 6))
     assert routes == ["gradient"] * len(routes)
     assert compressor.auto.ratio is None and compressor.auto.decisions >= 1
@@ -111,7 +111,7 @@ def test_entering_averages_the_moments_and_applies_the_mean_update_residual(monk
         opt.param_groups[0]["lr"] = 0.0
 
     def after(step, model, opt):
-        routes.append(opt.topk_update_step._route)
+        routes.append(opt.topk_update_step.route.last)
         if step != SECOND_DECISION:
             return
         opt.param_groups[0]["lr"] = 0.01
@@ -148,7 +148,7 @@ def test_leaving_fp16_puts_its_residual_into_the_ranks_own_gradient(monkeypatch)
 
     def after(step, model, opt):
         ratios.append(compressor.auto.ratio)
-        routes.append(opt.topk_update_step._route)
+        routes.append(opt.topk_update_step.route.last)
         if step == SECOND_DECISION:
             for name, p in model.named_parameters():
                 residual = seen[step][name]

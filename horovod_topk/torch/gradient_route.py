@@ -1,0 +1,146 @@
+"""Update mode's gradient route in PyTorch (core.update_mode, "The gradient route"): while ratio="auto" holds dense
+or fp16, a step of update mode runs as gradient mode, and what changes hands at the route's edges.
+
+A front end's update step keeps one :class:`GradientRoute`. The compressor tells it, at each gradient, which route
+the step takes (:meth:`GradientRoute.take`: fixed at the step's first gradient, where a decision due is taken);
+once the step's collectives are done the front end closes the step (:meth:`GradientRoute.close_step`) and, on the
+gradient route, calls :meth:`GradientRoute.share` (a no-op unless the step enters the route), otherwise
+:meth:`GradientRoute.absorb` (a no-op unless the step leaves it). Entering: every rank's own optimizer state
+becomes the ranks' mean and the mean of the update residuals is applied to the parameters; the residuals were
+taken out of their records at the step's first gradient, before the gradients' exchange (which keeps its own
+residual in the same record) could add them to a gradient. Leaving: what fp16 left in the records is gradient, and
+joins each rank's own gradient. Which optimizers' last step ran the gradient route is ratio="auto"'s state
+(AutoDensity.shared_scopes), saved with it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from ..core.update_mode import share_name, update_tensor_name
+from .local_updates import LocalUpdates
+
+__all__ = ["GRADIENT_ROUTE", "LOCAL_ROUTE", "GradientRoute"]
+
+#: How a step of update mode reduces: the gradients held on their ranks and the updates exchanged, or the gradients
+#: exchanged as in gradient mode.
+LOCAL_ROUTE = "local"
+GRADIENT_ROUTE = "gradient"
+
+#: (name, parameter) pairs in the ranks' common order.
+Entries = List[Tuple[str, torch.nn.Parameter]]
+
+
+class GradientRoute:
+    """The route of one update-mode optimizer's steps.
+
+    Args:
+        local: the optimizer's LocalUpdates (which state tensors are each rank's own).
+        compressor: the compressor whose records hold the update residuals and whose ``auto`` holds the choice.
+        scope: the optimizer's name prefix in the compressor (core.scopes).
+        allreduce_sum_async: ``(tensor, collective name) -> handle`` of an in-place sum over the ranks.
+        wait: ``handle -> the summed tensor``.
+        world_size: ``() -> the number of ranks that average``.
+    """
+
+    def __init__(self, local: LocalUpdates, compressor: Any, scope: str,
+                 allreduce_sum_async: Callable[[torch.Tensor, str], Any], wait: Callable[[Any], torch.Tensor],
+                 world_size: Callable[[], int]) -> None:
+        self.local = local
+        self.compressor = compressor
+        self.scope = scope
+        self._allreduce_sum_async = allreduce_sum_async
+        self._wait = wait
+        self._world_size = world_size
+        #: The route this step's gradients take (None until its first gradient), and the last closed step's.
+        self._step: Optional[str] = None
+        self.last = LOCAL_ROUTE
+        #: Update residuals taken out of their records by the first gradient of a step entering the route.
+        self._leftovers: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+    def take(self, route: str, entries: Callable[[], Entries]) -> None:
+        """The step's gradients go by ``route`` (the same for every gradient of a step). The first gradient of a
+        step entering the gradient route takes the update residuals of ``entries()`` out of their records."""
+        if self._step is None:
+            self._step = route
+            if route == GRADIENT_ROUTE and not self.shared:
+                self._take_update_residuals(entries())
+        elif self._step != route:
+            raise RuntimeError(f"horovod-topk: one step of update mode took both the {self._step!r} and the "
+                               f"{route!r} route (ratio='auto' changed its choice within a step)")
+
+    def close_step(self) -> str:
+        """The route of the step whose collectives are done (the last one's where no gradient reached the
+        compressor since: a second synchronize() of one step)."""
+        if self._step is not None:
+            self.last, self._step = self._step, None
+        return self.last
+
+    def forget(self) -> None:
+        """Drop the step in progress (a loaded state replaced the records its residuals came from)."""
+        self._step, self._leftovers = None, []
+
+    @property
+    def shared(self) -> bool:
+        """Whether this optimizer's last step ran the gradient route (its ranks' own state is the same)."""
+        auto = self.compressor.auto
+        return auto is not None and self.scope in auto.shared_scopes
+
+    def _mark_shared(self, shared: bool) -> None:
+        scopes = self.compressor.auto.shared_scopes
+        if shared and self.scope not in scopes:
+            scopes.append(self.scope)
+        elif not shared and self.scope in scopes:
+            scopes.remove(self.scope)
+
+    def _record(self, name: str) -> Any:
+        return self.compressor.registry.records.get(update_tensor_name(self.scope + name))
+
+    def _take_update_residuals(self, entries: Entries) -> None:
+        for name, p in entries:
+            record = self._record(name)
+            if record is not None and record.residual is not None:
+                self._leftovers.append((p, record.residual))
+                record.residual = None
+
+    def share(self, entries: Entries) -> None:
+        """On the step entering the gradient route: every rank's own optimizer state (LocalUpdates.own_state)
+        becomes the ranks' mean, and the mean of the update residuals is applied to the parameters, so that the
+        same update from the same averaged gradient keeps every rank's parameters equal. Nothing while the route
+        holds, nor after a resume within it."""
+        if self.shared:
+            return
+        leftovers = {id(p): residual for p, residual in self._leftovers}
+        self._leftovers = []
+        residuals, started = [], []
+        for name, p in entries:
+            residual = leftovers.get(id(p))
+            if residual is None:  # every rank sends one, zeros where it had none
+                residual = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+            residuals.append(residual)
+            for index, tensor in enumerate(self.local.own_state(name, p) + [residual]):
+                started.append(self._allreduce_sum_async(tensor, share_name(self.scope + name, index)))
+        size = self._world_size()
+        for handle in started:
+            self._wait(handle).div_(size)  # in place: each tensor is the ranks' mean now
+        with torch.no_grad():
+            for (_, p), residual in zip(entries, residuals):
+                p.sub_(residual.view_as(p).to(p.dtype))
+        self._mark_shared(True)
+
+    def absorb(self, entries: Entries) -> None:
+        """On the first step back in update mode: what fp16 left in the records is gradient, this rank's own; it
+        joins this rank's gradient before the local step (error feedback keeps it). Nothing otherwise."""
+        if not self.shared:
+            return
+        with torch.no_grad():
+            for name, p in entries:
+                record = self._record(name)
+                if record is None or record.residual is None:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.add_(record.residual.view_as(p.grad).to(p.grad.dtype))
+                record.residual = None
+        self._mark_shared(False)
