@@ -72,16 +72,22 @@ def measured(rank: int, world_size: int, target: str = "gradient") -> Dict[str, 
             "same": all_equal_across_ranks(flat_params(model))}
 
 
-def update_invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
-    """Update mode (Adam) under a scripted link, float64: per step update_workers.logged_step's record of every
-    compressed update, the density per step, the decision steps, the bytes sent per step."""
-    decided = scripted(script)
+def update_mode_training(script: Optional[str]):
+    """A float64 model, its auto state in update mode (fp16 offered under the "half" script), DDP and Adam."""
     model = make_model(torch.float64)
     state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, target="update",
                         named_parameters=model.named_parameters(), bucket_bytes=20_000)
     offer_half(state, script)
     ddp = ddp_of(model, state, bucket_cap_mb=0.3)
-    opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
+    return model, state, ddp, update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS),
+                                                    state)
+
+
+def update_invariant(rank: int, world_size: int, script: str) -> Dict[str, Any]:
+    """Update mode (Adam) under a scripted link, float64: per step update_workers.logged_step's record of every
+    compressed update, the density per step, the decision steps, the bytes sent per step."""
+    decided = scripted(script)
+    model, state, ddp, opt = update_mode_training(script)
     log, ratios, sent = [], [], []
     for step in range(FOURTH_DECISION):
         before = state.stats()["bytes_sent"]
@@ -196,12 +202,7 @@ def update_entering(rank: int, world_size: int) -> Dict[str, Any]:
     step runs at learning rate 0: what it changed in the parameters, against minus the ranks' mean update residual,
     and each first moment against Adam's on the mean of the ranks' first moments and the averaged gradient."""
     scripted("slow_then_sparse_slower")
-    model = make_model(torch.float64)
-    state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, target="update",
-                        named_parameters=model.named_parameters(), bucket_bytes=20_000)
-    offer_half(state, None)
-    ddp = ddp_of(model, state, bucket_cap_mb=0.3)
-    opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
+    model, state, ddp, opt = update_mode_training("slow_then_sparse_slower")
     routes, out = [], {}
     group = torch.distributed.group.WORLD
 

@@ -18,20 +18,10 @@ from horovod_topk.torch import TopKEF, auto_density
 from tests.auto_links import (CHECK_STEPS, FIRST_DECISION, SECOND_DECISION, THIRD_DECISION, fast_link, half_link,
                               script, slow_link, sparse_slower_than_dense)
 
+from .test_torch_auto_density import Model
 from .torch_harness import batch, differs
 
 BETA1 = 0.9
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(32, 128)
-        self.fc2 = nn.Linear(128, 64)
-        self.head = nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
 def train(compression, steps, *, before=None, after=None, state=None, raw=None):
