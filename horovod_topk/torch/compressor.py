@@ -181,7 +181,7 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         if update_step is None:
             return self.start_exchange(tensor, pending, name, op=op, prescale_factor=prescale_factor,
                                        postscale_factor=postscale_factor, process_set=process_set)
-        if not self._update_runs_as_gradient(name, tensor, process_set):
+        if not update_step.gradient_route_allowed or not self._update_runs_as_gradient(name, tensor, process_set):
             update_step.take_route(LOCAL_ROUTE)
             pending.route = "local"
             pending.check = self._held_check(tensor, name, process_set)

@@ -62,6 +62,8 @@ def reduce_in_update_mode(state: Any, bucket: dist.GradBucket, group: Any) -> to
     clock = state._clock
     if clock is None or step is None:
         return hold(state, bucket, group)
+    if bucket.index() == 0:  # a step the optimizer never took (GradScaler skipped it) ends here
+        step.route.begin_step(step.entries)
     clock.bucket(state, bucket, group)
     if not state.auto.holds_dense:
         step.route.take(LOCAL_ROUTE, step.entries)
@@ -125,6 +127,10 @@ class DDPUpdateStep:
         #: route do (torch.gradient_route).
         self.route = GradientRoute(self.local, state, "", self._allreduce_sum_async, _waited,
                                    lambda: dist.get_world_size(self.group))
+        if state.update_step is not None and state.update_step.optimizer is not optimizer:
+            raise ValueError("horovod-topk: update_mode_optimizer was already called with another optimizer on this "
+                             "TopKEFState; one state serves one update-mode optimizer (make a TopKEFState per model "
+                             "and optimizer)")
         state.update_step = self
 
     def install(self) -> torch.optim.Optimizer:
@@ -160,6 +166,7 @@ class DDPUpdateStep:
         entries = self.entries()
         if not entries:
             return
+        self.route.apply_deferred()
         if self.route.close_step() == GRADIENT_ROUTE:  # the hook averaged the gradients (torch.gradient_route)
             self.route.share(entries)
             updates = self.local.compute_averaged(entries)

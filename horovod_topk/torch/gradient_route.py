@@ -42,17 +42,23 @@ class GradientRoute:
         allreduce_sum_async: ``(tensor, collective name) -> handle`` of an in-place sum over the ranks.
         wait: ``handle -> the summed tensor``.
         world_size: ``() -> the number of ranks that average``.
+        averages: ``() -> whether the optimizer's reduction averages`` (else it sums, ``op=hvd.Sum``: what the
+            ranks' updates applied, and what they owe, is then the sum of theirs, and so is the common state).
     """
 
     def __init__(self, local: LocalUpdates, compressor: Any, scope: str,
                  allreduce_sum_async: Callable[[torch.Tensor, str], Any], wait: Callable[[Any], torch.Tensor],
-                 world_size: Callable[[], int]) -> None:
+                 world_size: Callable[[], int], averages: Callable[[], bool] = lambda: True) -> None:
         self.local = local
         self.compressor = compressor
         self.scope = scope
         self._allreduce_sum_async = allreduce_sum_async
         self._wait = wait
         self._world_size = world_size
+        self._averages = averages
+        #: The mean update residual a share() made during backward (a step the optimizer never took), per
+        #: parameter: applied by the next step's update (:meth:`apply_deferred`).
+        self._deferred: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         #: The route this step's gradients take (None until its first gradient), and the last closed step's.
         self._step: Optional[str] = None
         self.last = LOCAL_ROUTE
@@ -70,6 +76,23 @@ class GradientRoute:
             raise RuntimeError(f"horovod-topk: one step of update mode took both the {self._step!r} and the "
                                f"{route!r} route (ratio='auto' changed its choice within a step)")
 
+    def begin_step(self, entries: Callable[[], Entries]) -> None:
+        """A step begins (DDP: bucket 0), before its route is taken. A step whose gradients were reduced but whose
+        optimizer step never ran (AMP's GradScaler skipped it: its gradients were not finite) is closed here; if it
+        entered the gradient route, its state is shared now, every rank being at the same bucket, and its residuals'
+        mean waits for the next optimizer step (the parameters may not change during backward)."""
+        if self._step is None:
+            return
+        if self.close_step() == GRADIENT_ROUTE:
+            self.share(entries(), defer=True)
+
+    def apply_deferred(self) -> None:
+        """Apply what a share() during backward left for the optimizer step (:meth:`begin_step`)."""
+        deferred, self._deferred = self._deferred, []
+        with torch.no_grad():
+            for p, residual in deferred:
+                p.sub_(residual.view_as(p).to(p.dtype))
+
     def close_step(self) -> str:
         """The route of the step whose collectives are done (the last one's where no gradient reached the
         compressor since: a second synchronize() of one step)."""
@@ -79,7 +102,7 @@ class GradientRoute:
 
     def forget(self) -> None:
         """Drop the step in progress (a loaded state replaced the records its residuals came from)."""
-        self._step, self._leftovers = None, []
+        self._step, self._leftovers, self._deferred = None, [], []
 
     @property
     def shared(self) -> bool:
@@ -104,29 +127,29 @@ class GradientRoute:
                 self._leftovers.append((p, record.residual))
                 record.residual = None
 
-    def share(self, entries: Entries) -> None:
+    def share(self, entries: Entries, defer: bool = False) -> None:
         """On the step entering the gradient route: every rank's own optimizer state (LocalUpdates.own_state)
-        becomes the ranks' mean, and the mean of the update residuals is applied to the parameters, so that the
-        same update from the same averaged gradient keeps every rank's parameters equal. Nothing while the route
-        holds, nor after a resume within it."""
+        becomes the ranks' mean (their sum under ``op=hvd.Sum``), and so does the update residual, which is applied
+        to the parameters (``defer``: by the next optimizer step), so that the same update from the same averaged
+        gradient keeps every rank's parameters equal. Nothing while the route holds, nor after a resume within it."""
         if self.shared:
             return
         leftovers = {id(p): residual for p, residual in self._leftovers}
         self._leftovers = []
         residuals, started = [], []
         for name, p in entries:
-            residual = leftovers.get(id(p))
-            if residual is None:  # every rank sends one, zeros where it had none
-                residual = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+            residual = leftovers.get(id(p))  # a loaded residual may be on the host, in another dtype
+            residual = (torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if residual is None
+                        else residual.to(device=p.device, dtype=torch.float32))  # every rank sends one
             residuals.append(residual)
             for index, tensor in enumerate(self.local.own_state(name, p) + [residual]):
                 started.append(self._allreduce_sum_async(tensor, share_name(self.scope + name, index)))
-        size = self._world_size()
+        size = self._world_size() if self._averages() else 1
         for handle in started:
-            self._wait(handle).div_(size)  # in place: each tensor is the ranks' mean now
-        with torch.no_grad():
-            for (_, p), residual in zip(entries, residuals):
-                p.sub_(residual.view_as(p).to(p.dtype))
+            self._wait(handle).div_(size)  # in place: each tensor is the ranks' mean (or sum) now
+        self._deferred.extend((p, residual) for (_, p), residual in zip(entries, residuals))
+        if not defer:
+            self.apply_deferred()
         self._mark_shared(True)
 
     def absorb(self, entries: Entries) -> None:
@@ -141,6 +164,6 @@ class GradientRoute:
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                p.grad.add_(record.residual.view_as(p.grad).to(p.grad.dtype))
+                p.grad.add_(record.residual.to(device=p.grad.device, dtype=p.grad.dtype).view_as(p.grad))
                 record.residual = None
         self._mark_shared(False)

@@ -99,7 +99,11 @@ class UpdateStep:
         self.class_name = self.local.class_name
         #: Which route each step takes, and what entering and leaving the gradient route do (torch.gradient_route).
         self.route = GradientRoute(self.local, compressor, scope, self._allreduce_sum_async, self._wait,
-                                   lambda: self._process_set().size())
+                                   lambda: self._process_set().size(), self._averages)
+        #: Whether dense and fp16 steps may take the gradient route: not with Horovod's ``groups=`` (its grouped
+        #: reductions are named after groups, not parameters, where the route keys each gradient by its update's
+        #: record); such an optimizer exchanges updates at every density.
+        self.gradient_route_allowed = not getattr(optimizer, "_p_to_group", None)
         from horovod.torch.mpi_ops import Sum
 
         if getattr(optimizer, "op", None) == Sum and self.class_name in NORMALISING_OPTIMIZERS:
@@ -121,12 +125,12 @@ class UpdateStep:
                 self.compressor.auto.waited(time.perf_counter() - waiting)
             if self._process_set().included():
                 entries = self._entries()
+                self._densify_sparse_gradients(entries)
                 if route == GRADIENT_ROUTE:
                     self._refuse_sparse(entries)
                     self.route.share(entries)
                     return
                 self.route.absorb(entries)
-                self._densify_sparse_gradients(entries)
                 self._agree_finite(entries)
 
         def step(_: Any, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -200,6 +204,11 @@ class UpdateStep:
         from horovod.torch.mpi_ops import global_process_set
 
         return getattr(self.optimizer, "process_set", global_process_set)
+
+    def _averages(self) -> bool:
+        from horovod.torch.mpi_ops import Sum
+
+        return getattr(self.optimizer, "op", None) != Sum
 
     def _allreduce_sum_async(self, values: torch.Tensor, name: str) -> Any:
         from horovod.torch.mpi_ops import Sum

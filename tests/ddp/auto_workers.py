@@ -15,7 +15,7 @@ from tests import auto_links
 from tests.auto_links import CHECK_STEPS, FIRST_DECISION, FOURTH_DECISION, SECOND_DECISION, THIRD_DECISION
 
 from .update_workers import BETAS, EPS, LR, logged_step
-from .workers import all_equal_across_ranks, ddp_of, flat_params, make_model, recording_hook, train_step
+from .workers import all_equal_across_ranks, batch, ddp_of, flat_params, make_model, recording_hook, train_step
 
 #: Scripts of the link by name (a spawned worker receives names, not closures): measurement by decision step.
 SCRIPTS: Dict[str, Callable[[int], Callable[[int], Any]]] = {
@@ -234,3 +234,25 @@ def update_entering(rank: int, world_size: int) -> Dict[str, Any]:
                                      if state.registry.records["update." + n].residual is not None]
     out.update(routes=routes, shared=list(state.auto.shared_scopes), same=all_equal_across_ranks(flat_params(model)))
     return out
+
+
+def update_skipped_steps(rank: int, world_size: int) -> Dict[str, Any]:
+    """Update mode (Adam) through dense -> sparse -> dense -> sparse, with the optimizer's step not taken (as AMP's
+    GradScaler skips one) on the step that enters the gradient route and on the last one before it is left: the
+    next step closes each (sharing the state of the first at its bucket 0) and training goes on alike everywhere."""
+    scripted("changes")
+    model, state, ddp, opt = update_mode_training("changes")
+    skipped = {SECOND_DECISION, THIRD_DECISION - 1}
+    routes, ratios = [], []
+    for step in range(THIRD_DECISION + 3):
+        if step in skipped:
+            opt.zero_grad()
+            x, y = batch(rank, step, torch.float64)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()  # reduced by the hook; no optimizer step
+        else:
+            train_step(ddp, opt, rank, step, torch.float64)
+        routes.append(opt.topk_update_step.route.last)
+        ratios.append(state.auto.ratio)
+    return {"routes": routes, "ratios": ratios, "same": all_equal_across_ranks(flat_params(model)),
+            "moments_same": all_equal_across_ranks(torch.cat([opt.state[p]["exp_avg"].reshape(-1)
+                                                              for p in model.parameters()]))}

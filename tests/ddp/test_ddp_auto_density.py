@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.auto_links import FIRST_DECISION, SECOND_DECISION
+from tests.auto_links import FIRST_DECISION, SECOND_DECISION, THIRD_DECISION
 
 from . import auto_workers, harness
 from .test_ddp_hook import _check_invariant
@@ -146,3 +146,14 @@ def test_update_mode_entering_the_gradient_route_averages_state_and_applies_the_
         assert r["routes"][SECOND_DECISION - 1] == "local" and r["routes"][SECOND_DECISION:] == ["gradient"] * 3
         assert r["param_gap"] < 1e-12 and r["moment_gap"] < 1e-6, r
         assert r["moments_same"] and r["same"] and r["residuals_left"] == [] and r["shared"] == [""]
+
+
+def test_update_mode_steps_the_optimizer_skipped_are_closed_at_the_next_bucket_zero():
+    """A step whose optimizer step did not run (AMP's GradScaler skipping it) entering the gradient route, and one
+    leaving it: no error at the next decision, the state shared, parameters identical on every rank."""
+    results = harness.run(auto_workers.update_skipped_steps, 2)
+    for r in results:
+        assert r["routes"][SECOND_DECISION - 1] == "local", r["routes"]
+        assert r["ratios"][SECOND_DECISION] is None and isinstance(r["ratios"][THIRD_DECISION], float), r["ratios"]
+        assert r["routes"][-1] == "local" and r["same"], r["routes"]
+    assert results[0]["ratios"] == results[1]["ratios"]

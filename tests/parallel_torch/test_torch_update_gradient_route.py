@@ -19,7 +19,7 @@ from tests.auto_links import (CHECK_STEPS, FIRST_DECISION, SECOND_DECISION, THIR
                               script, slow_link, sparse_slower_than_dense)
 
 from .test_torch_auto_density import Model
-from .torch_harness import batch, differs
+from .torch_harness import assert_same_params, batch, differs, train as train_harness
 
 BETA1 = 0.9
 
@@ -177,3 +177,13 @@ def test_a_checkpoint_resumes_exactly(monkeypatch, links, save_at, shared):
     resumed_compressor.auto.half = True
     resumed, _ = train(resumed_compressor, range(save_at + 1, THIRD_DECISION), state=saved)
     assert differs(params_of(straight), params_of(resumed)) == []
+
+
+def test_sparse_gradients_with_sparse_as_dense_on_the_gradient_route():
+    """sparse_as_dense=True, SGD, auto dense through its first window (the gradient route): Horovod hands the averaged
+    sparse gradient back sparse; it is made dense before the step, which then equals plain Horovod's."""
+    kwargs = {"optimizer_factory": lambda params: torch.optim.SGD(params, lr=0.1), "sparse_embedding": True,
+              "sparse_as_dense": True}
+    plain = train_harness(hvd.Compression.none, **kwargs)
+    ours = train_harness(TopKEF(ratio="auto", min_numel=0, target="update"), **kwargs)
+    assert_same_params(ours, plain)
