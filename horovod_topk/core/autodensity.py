@@ -463,6 +463,11 @@ class AutoDensity:
     #: their residuals hold gradients, not updates. Saved, so that a resumed job neither averages what is equal
     #: nor mistakes what its residuals hold (the front end's update step keeps it: torch.update_mode).
     shared_scopes: List[str] = field(default_factory=list)
+    #: Of those, the ones whose ranks' own state may differ again: Horovod elastic reset the job, and a worker that
+    #: joined holds its own (update mode's first moments kept beside its residuals start at zero there). The
+    #: next step on the gradient route averages that state again, its residuals untouched (they hold gradient).
+    #: Not saved: a reset is not a resume.
+    resync_scopes: List[str] = field(default_factory=list)
 
     # ---- per step --------------------------------------------------------------------------------------------
     def begin(self, step: int, now: float) -> bool:

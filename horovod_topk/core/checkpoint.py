@@ -238,6 +238,7 @@ def sync_after_reset(compressor: Any, transport: Transport[Any]) -> None:
         if source_auto is not None:
             compressor.auto.load_state_dict(source_auto)
         compressor.auto.decide_soon()
+        compressor.auto.resync_scopes = list(compressor.auto.shared_scopes)  # a joined rank's own state is its own
     if source is None:
         return
     for name, (shape, steps) in source.items():

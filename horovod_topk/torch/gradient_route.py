@@ -133,6 +133,7 @@ class GradientRoute:
         to the parameters (``defer``: by the next optimizer step), so that the same update from the same averaged
         gradient keeps every rank's parameters equal. Nothing while the route holds, nor after a resume within it."""
         if self.shared:
+            self._resync(entries)
             return
         leftovers = {id(p): residual for p, residual in self._leftovers}
         self._leftovers = []
@@ -152,11 +153,27 @@ class GradientRoute:
             self.apply_deferred()
         self._mark_shared(True)
 
+    def _resync(self, entries: Entries) -> None:
+        """After Horovod elastic reset the job (core.checkpoint.sync_after_reset), the ranks' own state is made
+        their mean again, once: a joined worker's first moments are its own. The residuals hold gradient here and
+        stay where they are."""
+        scopes = self.compressor.auto.resync_scopes
+        if self.scope not in scopes:
+            return
+        scopes.remove(self.scope)
+        started = [self._allreduce_sum_async(tensor, share_name(self.scope + name, index))
+                   for name, p in entries for index, tensor in enumerate(self.local.own_state(name, p))]
+        size = self._world_size() if self._averages() else 1
+        for handle in started:
+            self._wait(handle).div_(size)
+
     def absorb(self, entries: Entries) -> None:
         """On the first step back in update mode: what fp16 left in the records is gradient, this rank's own; it
         joins this rank's gradient before the local step (error feedback keeps it). Nothing otherwise."""
         if not self.shared:
             return
+        if self.scope in self.compressor.auto.resync_scopes:  # update mode keeps each rank's own state anyway
+            self.compressor.auto.resync_scopes.remove(self.scope)
         with torch.no_grad():
             for name, p in entries:
                 record = self._record(name)

@@ -187,3 +187,31 @@ def test_sparse_gradients_with_sparse_as_dense_on_the_gradient_route():
     plain = train_harness(hvd.Compression.none, **kwargs)
     ours = train_harness(TopKEF(ratio="auto", min_numel=0, target="update"), **kwargs)
     assert_same_params(ours, plain)
+
+
+def test_after_an_elastic_reset_the_route_averages_the_ranks_own_state_again(monkeypatch):
+    """The shared second moment keeps each rank's first moment beside its residual, which a worker that joins an
+    elastic job starts anew. Within the gradient route, a reset (core.checkpoint.sync_after_reset, over Horovod's
+    collectives) makes the next step average the ranks' first moments again: here rank 1's are zeroed as a joined
+    worker's would be, and every rank's parameters and moments stay the same."""
+    from horovod_topk.core.checkpoint import sync_after_reset
+    from horovod_topk.torch.checkpoint import _TorchTransport
+
+    script(monkeypatch, auto_density, lambda step: fast_link)
+    compressor = TopKEF(ratio="auto", min_numel=256, target="update", second_moment="shared",
+                        auto_every=CHECK_STEPS)
+
+    def reset(step, model, opt):
+        if step != 4:
+            return
+        if hvd.rank() == 1:
+            for name, _ in model.named_parameters():
+                compressor.registry.records[update_tensor_name(name)].momentum.zero_()
+        sync_after_reset(compressor, _TorchTransport())
+        assert compressor.auto.resync_scopes == [""]
+
+    model, _ = train(compressor, range(FIRST_DECISION + 2), before=reset)
+    moments = [compressor.registry.records[update_tensor_name(n)].momentum for n, _ in model.named_parameters()]
+    assert same_on_every_rank(moments, "route.resync.m")
+    assert same_on_every_rank(list(params_of(model).values()), "route.resync.params")
+    assert compressor.auto.resync_scopes == []
