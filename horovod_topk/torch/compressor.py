@@ -34,11 +34,11 @@ from ..core.update_mode import update_tensor_name
 from . import auto_density
 from .buckets import BucketedExchange, UnselectedMember, bucket_member_names
 from .exchange import ExchangeRequest
+from .gradient_route import GRADIENT_ROUTE, LOCAL_ROUTE
 from .half_route import HalfHandle
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
 from .state import TorchResiduals
-from .gradient_route import GRADIENT_ROUTE, LOCAL_ROUTE
 from .update_mode import LocalHandle
 
 __all__ = ["TopKEF", "TopKHandle", "AgreementCheck", "start_allgather", "allgather_handle"]
