@@ -169,13 +169,8 @@ class DDPUpdateStep:
         self.route.apply_deferred()
         if self.route.close_step() == GRADIENT_ROUTE:  # the hook averaged the gradients (torch.gradient_route)
             self.route.share(entries)
-            updates = self.local.compute_averaged(entries)
-            if updates is None:  # an averaged gradient is non-finite: on every rank alike
+            if not self.route.step(entries):  # an averaged gradient is non-finite: on every rank alike
                 self.skipped_steps += 1
-                return
-            with torch.no_grad():
-                for (_, p), update in zip(entries, updates):
-                    p.sub_(update.view_as(p).to(p.dtype))
             return
         self.route.absorb(entries)
         if not self._all_finite(entries):

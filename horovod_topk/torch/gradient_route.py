@@ -137,17 +137,12 @@ class GradientRoute:
             return
         leftovers = {id(p): residual for p, residual in self._leftovers}
         self._leftovers = []
-        residuals, started = [], []
-        for name, p in entries:
+        residuals = []
+        for _, p in entries:
             residual = leftovers.get(id(p))  # a loaded residual may be on the host, in another dtype
-            residual = (torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if residual is None
-                        else residual.to(device=p.device, dtype=torch.float32))  # every rank sends one
-            residuals.append(residual)
-            for index, tensor in enumerate(self.local.own_state(name, p) + [residual]):
-                started.append(self._allreduce_sum_async(tensor, share_name(self.scope + name, index)))
-        size = self._world_size() if self._averages() else 1
-        for handle in started:
-            self._wait(handle).div_(size)  # in place: each tensor is the ranks' mean (or sum) now
+            residuals.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if residual is None
+                             else residual.to(device=p.device, dtype=torch.float32))  # every rank sends one
+        self._combine(entries, residuals)
         self._deferred.extend((p, residual) for (_, p), residual in zip(entries, residuals))
         if not defer:
             self.apply_deferred()
@@ -161,11 +156,30 @@ class GradientRoute:
         if self.scope not in scopes:
             return
         scopes.remove(self.scope)
-        started = [self._allreduce_sum_async(tensor, share_name(self.scope + name, index))
-                   for name, p in entries for index, tensor in enumerate(self.local.own_state(name, p))]
+        self._combine(entries)
+
+    def _combine(self, entries: Entries, residuals: Optional[List[torch.Tensor]] = None) -> None:
+        """Every entry's own state (and its residual, where given) made, in place, the ranks' mean -- their sum
+        under ``op=hvd.Sum`` -- one collective per tensor, named from the parameter, all in flight together."""
+        started = []
+        for position, (name, p) in enumerate(entries):
+            extra = [residuals[position]] if residuals is not None else []
+            for index, tensor in enumerate(self.local.own_state(name, p) + extra):
+                started.append(self._allreduce_sum_async(tensor, share_name(self.scope + name, index)))
         size = self._world_size() if self._averages() else 1
         for handle in started:
             self._wait(handle).div_(size)
+
+    def step(self, entries: Entries) -> bool:
+        """A step on the gradient route: the update from the averaged gradient (LocalUpdates.compute_averaged),
+        subtracted on every rank alike; False when an averaged gradient is non-finite (the step is skipped)."""
+        updates = self.local.compute_averaged(entries)
+        if updates is None:
+            return False
+        with torch.no_grad():
+            for (_, p), update in zip(entries, updates):
+                p.sub_(update.view_as(p).to(p.dtype))
+        return True
 
     def absorb(self, entries: Entries) -> None:
         """On the first step back in update mode: what fp16 left in the records is gradient, this rank's own; it

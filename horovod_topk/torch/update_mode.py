@@ -265,13 +265,8 @@ class UpdateStep:
         self._bucket_updates(entries)
         if self.route.last == GRADIENT_ROUTE:
             self._skip = False
-            updates = self.local.compute_averaged(entries)
-            if updates is None:  # an averaged gradient is non-finite: on every rank alike
+            if not self.route.step(entries):  # an averaged gradient is non-finite: on every rank alike
                 self.skipped_steps += 1
-                return None
-            with torch.no_grad():
-                for (_, p), update in zip(entries, updates):
-                    p.sub_(update.view_as(p).to(p.dtype))
             return None
         if self._skip:
             self._skip = False
