@@ -56,7 +56,7 @@ rank's own gradient before its local step. Which optimizers' last step ran so is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "MOMENTS_NAME",
@@ -74,6 +74,8 @@ __all__ = [
     "update_tensor_name",
     "share_name",
     "update_tensor_names",
+    "RouteStep",
+    "route_step",
     "block_count",
     "NOISE_SHARE_NAME",
     "SketchLayout",
@@ -148,6 +150,42 @@ def share_name(name: str, index: int) -> str:
     """The collective that averages the ``index``-th of parameter ``name``'s own state tensors (its update residual
     the last) on entering the gradient route: named from the parameter, the same on every rank."""
     return f"topk.update.share.{index}.{name}"
+
+
+class RouteStep:
+    """What one step of an update-mode optimizer does under ratio="auto" (the gradient route, above): the codes a
+    traced step branches on (TensorFlow), from :func:`route_step`."""
+
+    #: Gradients held on their ranks, updates exchanged (auto holds a density).
+    LOCAL = 0
+    #: Gradients exchanged, the same update from the averaged gradient on every rank (auto holds dense or fp16).
+    ROUTE = 1
+    #: The first step of the route: every rank's own state becomes the ranks' mean, and so does the update
+    #: residual, which is applied to the parameters; then as ROUTE.
+    ENTER = 2
+    #: The first step back in update mode: what fp16 left in the residuals is gradient, and joins each rank's own.
+    LEAVE = 3
+    #: ROUTE after an elastic reset (core.checkpoint.sync_after_reset): the own state averaged once more.
+    RESYNC = 4
+
+
+def route_step(auto: Any, scope: str) -> int:
+    """The RouteStep of optimizer ``scope``'s step under ``auto`` (a core.autodensity.AutoDensity whose choice for
+    the step is in force), ``auto``'s shared and resync scopes updated for it. The same on every rank: the choice
+    and the scopes are (the scopes are saved with auto's state)."""
+    shared = scope in auto.shared_scopes
+    resync = scope in auto.resync_scopes
+    if resync:
+        auto.resync_scopes.remove(scope)
+    if auto.holds_dense:
+        if not shared:  # entering averages the own state anyway
+            auto.shared_scopes.append(scope)
+            return RouteStep.ENTER
+        return RouteStep.RESYNC if resync else RouteStep.ROUTE
+    if shared:  # update mode keeps each rank's own state: nothing to resync
+        auto.shared_scopes.remove(scope)
+        return RouteStep.LEAVE
+    return RouteStep.LOCAL
 
 
 def update_tensor_names(names: Sequence[str]) -> List[str]:

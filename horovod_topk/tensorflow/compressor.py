@@ -284,15 +284,13 @@ class TopKEF(TopKEFBase[Any]):
             pending.route = "dense"  # a shape known only at run time cannot have a fixed k
             return None
         numel = int(np.prod(pending.shape, dtype=np.int64))
-        wire_dtype = _WIRE_DTYPES.get(self.config.value_dtype or "", tensor.dtype) if tensor.dtype.is_floating else tensor.dtype
+        wire_dtype = self._wire_dtype(tensor.dtype)
         record = self.registry.record(name, pending.shape)
         record.world_size, self._reductions[name] = world_size, op_name  # traced for this world (elastic.py)
         counters = self._counters(name, record)
         schedule: Optional[RouteSchedule] = None
         if self._auto_tick is not None:  # every density's route, the one in force looked up per step
-            schedule = auto_schedule(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
-                                     value_itemsize=wire_dtype.size, grad_itemsize=tensor.dtype.size,
-                                     sparse_available=True, half=self.auto is not None and self.auto.half)
+            schedule = self._auto_schedule(name, numel, tensor.dtype, world_size)
             compressed, k, exchange = schedule is not None, None, None
         else:  # the route is traced once: with a warm-up, the plan after it (its steps are branches)
             plan = plan_tensor(name, numel, tensor.dtype.is_floating, self.config, world_size=world_size,
@@ -342,6 +340,32 @@ class TopKEF(TopKEFBase[Any]):
         with tf.init_scope():  # members at the same warm-up step stay together: every step reduces all of them
             at_trace = min(int(counters.numpy()[0]), last)
         return _Scheduled(step, schedule, tf.minimum(counters[0], last), ("warmup", at_trace, _route_pattern(schedule)))
+
+    def _wire_dtype(self, dtype: tf.DType) -> tf.DType:
+        return _WIRE_DTYPES.get(self.config.value_dtype or "", dtype) if dtype.is_floating else dtype
+
+    def _auto_schedule(self, name: str, numel: int, dtype: tf.DType, world_size: int) -> Optional[RouteSchedule]:
+        """ratio="auto"'s route of tensor ``name`` at every density; None where it goes dense whatever the choice."""
+        return auto_schedule(name, numel, dtype.is_floating, self.config, world_size=world_size,
+                             value_itemsize=self._wire_dtype(dtype).size, grad_itemsize=dtype.size,
+                             sparse_available=True, half=self.auto is not None and self.auto.half)
+
+    def auto_position(self, name: str, process_set: Any) -> tf.Tensor:
+        """Under ratio="auto": the position in core.autodensity.CHOICES of the density in force at this step (the
+        step's tick, horovod_topk.tensorflow.auto_density; ``name`` is the caller's, as a tensor's name is)."""
+        assert self._auto_tick is not None
+        return self._auto_tick.choice(name, process_set)
+
+    def auto_residual(self, name: str, shape: tuple, dtype: tf.DType, world_size: int) -> Optional[tf.Variable]:
+        """Under ratio="auto": the residual variable that tensor ``name``'s reduction keeps (created here when this
+        trace reaches it first, from a loaded value or zeros), or None for a tensor that goes dense whatever the
+        choice and so keeps none. Update mode's gradient route (horovod_topk.tensorflow.gradient_route) moves what
+        a residual holds at the route's edges."""
+        numel = int(np.prod(shape, dtype=np.int64))
+        if self._auto_tick is None or self._auto_schedule(name, numel, dtype, world_size) is None:
+            return None
+        record = self.registry.record(name, shape)
+        return self._buffer(self._residual_vars, "residual", name, record, numel, ops.residual_dtype(dtype))
 
     def _scheduled_bucket(self, held: Sequence[Tuple[int, "_Scheduled"]], outputs: List[Optional[tf.Tensor]],
                           dense: Any, ready: Dict[str, Any]) -> None:

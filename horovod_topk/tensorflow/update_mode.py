@@ -36,12 +36,13 @@ from ..core import RankMismatch, check_name, fingerprint, mismatch_message
 from ..core.update_mode import (
     NOISE_SHARE_NAME,
     NONFINITE_NAME,
+    RouteStep,
     resolve_keras_second_moment,
     sketch_layout,
     update_tensor_names,
     with_nonfinite_count,
 )
-from . import keras3, noise_share
+from . import gradient_route, keras3, noise_share
 
 __all__ = ["distributed_optimizer", "update_keys", "second_moment_of", "SUM_REFUSAL"]
 
@@ -117,29 +118,73 @@ class UpdateStep:
         return self._shares.get(id(keras3.tf_variables([variable])[0]))
 
     def __call__(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: Sequence[Any],
-                 variables: Sequence[Any], step: Any = None) -> tf.Tensor:
+                 variables: Sequence[Any], step: Any = None,
+                 optimizer_variables: Callable[[], Sequence[Any]] = lambda: ()) -> tf.Tensor:
         """Run the step; True where it was taken, False where some rank's gradient was non-finite (skipped).
         A rank outside the process set steps on its own, as Horovod's gradient reduction leaves it. ``step``: the
-        optimizer step about to be taken (its iterations + 1), the calibrated sketch's signs' step."""
+        optimizer step about to be taken (its iterations + 1), the calibrated sketch's signs' step.
+        ``optimizer_variables``: the optimizer's variables, built (ratio="auto"'s gradient route averages the
+        ranks' own state among them)."""
         if not self.process_set.included():
             applied = local_apply(list(grads), list(variables))
             with tf.control_dependencies(_ops_of(applied)):
                 return tf.constant(True)
         # keys over every variable, before those without a gradient drop out: a key never moves to another one
-        triples = [(g, v, key) for g, v, key in zip(grads, variables, update_keys(variables)) if g is not None]
+        all_keys = update_keys(variables)
+        triples = [(g, v, key) for g, v, key in zip(grads, variables, all_keys) if g is not None]
         if not triples:
             return tf.constant(False)
         grads, variables, keys = [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
         targets = keras3.tf_variables(list(variables))  # the tf.Variables (Keras 3 wraps one in each)
         self._check_modes(grads, targets)
+        if self.compressor.auto is None:
+            return self._update_step(local_apply, grads, variables, targets, keys, step, lambda g: g)
+        # ratio="auto": dense and fp16 steps run as gradient mode (horovod_topk.tensorflow.gradient_route)
+        route = gradient_route.GradientRoute(self.compressor, self.process_set, scope=all_keys[0])
+        code = route.code()
+        residuals = route.residuals(targets, keys)
+
+        def on_route() -> tf.Tensor:
+            entered = route.enter(code, gradient_route.own_state(optimizer_variables()), targets, residuals)
+            with tf.control_dependencies([entered]):  # the residuals' mean out before the exchange adds them
+                dense = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
+            averaged = self._exchange(dense, keys)
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in averaged])
+
+            def take() -> tf.Tensor:
+                with tf.control_dependencies(_ops_of(local_apply(averaged, variables))):
+                    return tf.constant(True)
+
+            return self._branch(finite, take, lambda: self._skip(local_apply, grads, variables))
+
+        def in_update_mode() -> tf.Tensor:
+            return self._update_step(local_apply, grads, variables, targets, keys, step,
+                                     lambda g: route.absorb(code, g, residuals))
+
+        on = tf.logical_and(tf.not_equal(code, RouteStep.LOCAL), tf.not_equal(code, RouteStep.LEAVE))
+        return self._branch(on, on_route, in_update_mode)
+
+    @staticmethod
+    def _branch(pred: tf.Tensor, true_fn: Callable[[], tf.Tensor], false_fn: Callable[[], tf.Tensor]) -> tf.Tensor:
+        """tf.cond, or in eager mode the branch itself (the ranks agree on ``pred``, so they branch alike)."""
+        if tf.executing_eagerly():
+            return true_fn() if bool(pred) else false_fn()
+        return tf.cond(pred, true_fn, false_fn)
+
+    def _update_step(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: List[Any],
+                     variables: List[Any], targets: List[Any], keys: List[str], step: Any,
+                     absorb: Callable[[List[Any]], List[Any]]) -> tf.Tensor:
+        """The step in update mode: steps 2-5 of the module's docstring. ``absorb``: the gradients the local step
+        takes, from this rank's own (the gradient route's leftovers joined on leaving it)."""
         finite, sketches = self._agree_finite(grads, step)
 
         def take() -> tf.Tensor:
             before = [tf.identity(t.read_value()) for t in targets]
             calibrating = self._calibrate(sketches, targets, keys) if sketches is not None else []
             with tf.control_dependencies(before + calibrating):
+                own = absorb(grads)
                 try:
-                    applied = local_apply(grads, variables)
+                    applied = local_apply(own, variables)
                 finally:
                     self._shares = {}
             with tf.control_dependencies(_ops_of(applied)):
@@ -152,18 +197,19 @@ class UpdateStep:
             with tf.control_dependencies(assigns):
                 return tf.constant(True)
 
-        def skip() -> tf.Tensor:
-            if not self.scales_loss:
-                return tf.constant(False)
-            dense = [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices too
-            nan = [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in dense]
-            applied = local_apply(nan, variables)  # it lowers its loss scale and leaves the variables as they are
-            with tf.control_dependencies(_ops_of(applied)):
-                return tf.constant(False)
+        return self._branch(finite, take, lambda: self._skip(local_apply, grads, variables))
 
-        if tf.executing_eagerly():  # no cond to build: the ranks agree on `finite`, so they branch alike
-            return take() if bool(finite) else skip()
-        return tf.cond(finite, take, skip)
+    def _skip(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: Sequence[Any],
+              variables: Sequence[Any]) -> tf.Tensor:
+        """A step some rank's gradient made non-finite: nothing changes, except that a loss-scale optimizer is
+        handed NaN gradients on every rank, so that each lowers its scale."""
+        if not self.scales_loss:
+            return tf.constant(False)
+        dense = [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices too
+        nan = [tf.fill(tf.shape(g), tf.constant(float("nan"), g.dtype)) for g in dense]
+        applied = local_apply(nan, variables)  # it lowers its loss scale and leaves the variables as they are
+        with tf.control_dependencies(_ops_of(applied)):
+            return tf.constant(False)
 
     def _calibrate(self, summed: tf.Tensor, targets: Sequence[Any], keys: Sequence[str]) -> List[Any]:
         """The calibrated second moment's share of every tensor (core.update_mode) from the ranks' summed sketches;
@@ -291,7 +337,8 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
             if not self.built:  # before the cond: variables are created outside its branches
                 self.build(variables)
                 self.built = True
-            taken = run(lambda g, v: super(cls, self).apply(g, v), list(grads), variables, step=self.iterations + 1)
+            taken = run(lambda g, v: super(cls, self).apply(g, v), list(grads), variables, step=self.iterations + 1,
+                        optimizer_variables=lambda: self.variables)
             with tf.control_dependencies([taken]):  # what a graph-mode caller runs must run the step
                 return tf.identity(self.iterations)
 
@@ -299,8 +346,12 @@ def distributed_optimizer(optimizer: Any, *, compression: Any, process_set: Any,
     else:
         def apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
             pairs: List[Tuple[Any, Any]] = list(grads_and_vars)
+            if compressor.auto is not None:  # the gradient route reads the state before the step would create it
+                with tf.init_scope():
+                    self.build([v for _, v in pairs])
             taken = run(lambda g, v: super(cls, self).apply_gradients(list(zip(g, v)), *args, **kwargs),
-                        [g for g, _ in pairs], [v for _, v in pairs], step=self.iterations + 1)
+                        [g for g, _ in pairs], [v for _, v in pairs], step=self.iterations + 1,
+                        optimizer_variables=lambda: self.variables)
             with tf.control_dependencies([taken]):  # what a graph-mode caller runs must run the step
                 return tf.identity(self.iterations)
 
