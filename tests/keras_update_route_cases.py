@@ -174,17 +174,22 @@ def test_leaving_fp16_puts_its_residual_into_the_ranks_own_gradient(monkeypatch)
     ({FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}, SECOND_DECISION - 2, False),
     ({FIRST_DECISION: half_link}, FIRST_DECISION + 2, True),
 ], ids=["in-update-mode-before-entering", "within-fp16"])
-def test_a_checkpoint_resumes_exactly(monkeypatch, links, save_at, shared):
+@pytest.mark.parametrize("saver", ["state_dict", "trackable"])
+def test_a_checkpoint_resumes_exactly(monkeypatch, tmp_path, links, save_at, shared, saver):
     """Saved in update mode before the step that enters the gradient route (the resumed job must average as the
     straight one did), or within fp16's gradient route (its residuals hold gradient: the resumed job must not take
-    them for update residuals): weights, this rank's optimizer variables and TopKEF.state_dict()."""
+    them for update residuals): weights, this rank's optimizer variables and TopKEF's state, by ``state_dict()`` or
+    by ``tf.train.Checkpoint(topk=compressor.trackable)`` (ratio="auto"'s state travels in it too)."""
     script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
     saved = {}
+    path = str(tmp_path / f"rank{hvd.rank()}")
 
     def keep(i, model, optimizer, grads):
         if i == save_at:
             saved.update(weights=_weights(model), topk=compressor.state_dict(),
                          optimizer=[v.numpy() for v in optimizer.variables])
+            if saver == "trackable":
+                tf.train.Checkpoint(topk=compressor.trackable).write(path)
 
     compressor = _auto(half=True)
     straight, _ = _run(compressor, range(THIRD_DECISION), after=keep)
@@ -192,10 +197,40 @@ def test_a_checkpoint_resumes_exactly(monkeypatch, links, save_at, shared):
     compressor = _auto(half=True)
     model = _model()
     model.set_weights(saved["weights"])
-    compressor.load_state_dict(saved["topk"])
+    if saver == "trackable":
+        tf.train.Checkpoint(topk=compressor.trackable).read(path).assert_existing_objects_matched()
+        assert compressor.auto.state_dict() == saved["topk"]["auto"]
+    else:
+        compressor.load_state_dict(saved["topk"])
     optimizer = _wrap(_adam(), compressor)
     optimizer.build(model.trainable_variables)
     for variable, value in zip(optimizer.variables, saved["optimizer"]):
         variable.assign(value)
     resumed, _ = _run(compressor, range(save_at + 1, THIRD_DECISION), optimizer=optimizer, model=model)
     assert all(np.array_equal(a, b) for a, b in zip(_weights(straight), _weights(resumed)))
+
+
+def test_after_an_elastic_reset_the_route_averages_the_ranks_own_state_again(monkeypatch):
+    """Within the gradient route, a reset (core.checkpoint.sync_after_reset over Horovod's collectives, what the
+    elastic state's sync runs) makes the next step average the ranks' own optimizer state again: here rank 1's
+    moments are zeroed, as a joined worker's would be were they not broadcast, and every rank's moments and weights
+    stay the same bytes."""
+    from horovod_topk.core.checkpoint import sync_after_reset
+    from horovod_topk.tensorflow.checkpoint import _TensorFlowTransport
+
+    script(monkeypatch, auto_density, lambda step: fast_link)
+    compressor = _auto(half=True)
+
+    def reset(i, model, optimizer):
+        if i != 4:
+            return
+        if hvd.rank() == 1:
+            for v in own_state(optimizer.variables):
+                v.assign(tf.zeros_like(v))
+        sync_after_reset(compressor, _TensorFlowTransport())
+        assert compressor.auto.resync_scopes == compressor.auto.shared_scopes != []
+
+    model, optimizer = _run(compressor, range(FIRST_DECISION + 2), before=reset)
+    assert _same_on_every_rank([v.numpy() for v in own_state(optimizer.variables)], "route.tf.resync.moments")
+    assert _same_on_every_rank(_weights(model), "route.tf.resync.weights")
+    assert compressor.auto.resync_scopes == []

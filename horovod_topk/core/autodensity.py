@@ -71,6 +71,7 @@ __all__ = [
     "steps_factor",
     "to_target",
     "AutoDensity",
+    "held_schedule",
     "CHOICES",
     "choice_index",
     "config_at",
@@ -178,6 +179,17 @@ def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, 
                     value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
         for ratio in DENSITIES]
     return route_schedule(plans)
+
+
+def held_schedule(schedule: RouteSchedule) -> RouteSchedule:
+    """``schedule`` (auto_schedule's) as a step of update mode's gradient route takes it: only dense and fp16 are
+    ever in force there (core.update_mode), so a traced route holds their branches alone; the densities' positions
+    point at dense's branch, never taken. Keeps the tensor scheduled (stamped for auto's measurement) even where
+    both are dense."""
+    held = [schedule.routes[schedule.phase[i]] for i in range(2)]
+    routes = tuple(dict.fromkeys(held))
+    phase = tuple(routes.index(held[i]) if i < 2 else routes.index(held[0]) for i in range(len(schedule.phase)))
+    return RouteSchedule(routes, phase, tuple(0 for _ in schedule.phase))
 
 
 @dataclass(frozen=True)

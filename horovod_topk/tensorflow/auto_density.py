@@ -25,6 +25,7 @@ which go to Horovod's own allreduce.
 """
 from __future__ import annotations
 
+import json
 import time
 import weakref
 from dataclasses import dataclass
@@ -39,12 +40,31 @@ from ..core.exchange import DENSE
 from ..core.policy import RouteSchedule, sample_size
 from . import ops
 
-__all__ = ["TensorFlowProbes", "measure", "AutoTick", "AGREEMENT_NAME"]
+__all__ = ["TensorFlowProbes", "measure", "AutoTick", "AutoState", "AGREEMENT_NAME"]
 
 #: The collective that checks, after a start, a load or a reset, that every rank holds the same density and step.
 AGREEMENT_NAME = "topk.auto.agree"
 #: Slots of a tensor's stamp variable: when its gradient was ready, when its reduction was done.
 _READY, _DONE = 0, 1
+
+
+class AutoState(tf.train.experimental.PythonState):
+    """ratio="auto"'s state (core.autodensity.AutoDensity.state_dict) in the compressor's ``trackable``, so that a
+    job resumed from ``tf.train.Checkpoint(..., topk=compressor.trackable)`` continues as one resumed from
+    ``state_dict()``: the density in force, the decisions' schedule, and which update-mode optimizers run the
+    gradient route (their residuals hold gradient there, not update)."""
+
+    def __init__(self, compressor: Any) -> None:
+        self._compressor = weakref.ref(compressor)
+
+    def serialize(self) -> str:
+        return json.dumps(self._compressor().auto.state_dict())
+
+    def deserialize(self, string_value: Any) -> None:
+        compressor = self._compressor()
+        text = string_value.decode() if isinstance(string_value, bytes) else str(string_value)
+        compressor.auto.load_state_dict(json.loads(text))
+        compressor._forget_agreements()  # every rank checks again that it holds the same density and step
 
 
 def _latest_stamps(stamps: List[tf.Variable]) -> tf.Tensor:

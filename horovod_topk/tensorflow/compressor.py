@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-from ..core.autodensity import auto_schedule
+from ..core.autodensity import auto_schedule, held_schedule
 from ..core.policy import RouteSchedule, bucket_routes, spike_guard_scale, warmup_schedule
 
 from ..core import (
@@ -34,7 +34,7 @@ from ..core import (
 from ..core.exchange import ALLGATHER, DENSE, DENSE_HALF, SPARSE_ALLREDUCE
 from ..core.naming import half_allreduce_name
 from . import buckets, half_route, ops, shared, sizes, sparse_allreduce, steps
-from .auto_density import AutoTick
+from .auto_density import AutoState, AutoTick
 from .state import state_variable
 from .telemetry import GraphTelemetry, adapt_writer
 
@@ -141,6 +141,8 @@ class TopKEF(TopKEFBase[Any]):
         self._momentum_vars: Dict[str, tf.Variable] = self._trackable.momentum
         self._level_vars: Dict[str, tf.Variable] = self._trackable.levels
         self._counter_vars: Dict[str, tf.Variable] = self._trackable.counters
+        if self.config.auto:  # the density in force, its schedule and update mode's route saved with the residuals
+            self._trackable.auto = AutoState(self)
         #: Update mode's calibrated second moment: each update's last noise share (telemetry, not checkpointed).
         self._noise_share_vars: Dict[str, tf.Variable] = {}
         #: Gradient reduction names whose update-mode agreement check ran (horovod_topk.tensorflow.update_mode):
@@ -205,6 +207,7 @@ class TopKEF(TopKEFBase[Any]):
         prescale_factor: float,
         postscale_factor: float,
         process_set: Any,
+        held: bool = False,
     ) -> List[Optional[tf.Tensor]]:
         """:meth:`start_reduction` of each of a group's ``members`` ((gradient, its mark, its name) in Horovod's
         order), the compressed members in buckets of ``cap_bytes`` (None: the group is one bucket; 0: every member
@@ -212,14 +215,16 @@ class TopKEF(TopKEFBase[Any]):
         allgather) of its sparse-allreduce members; members whose route changes per step (a warm-up, ratio="auto")
         share buckets with those at the same position, one branch per combination of routes
         (horovod_topk.tensorflow.buckets). None where a member goes dense. Under Horovod elastic every member
-        travels on its own (buckets.cap_in_force)."""
+        travels on its own (buckets.cap_in_force). ``held``: under ratio="auto", a step of update mode's gradient
+        route, where only dense or fp16 is ever in force (core.autodensity.held_schedule): their branches alone."""
         if cap_bytes is not None:
             cap_bytes = buckets.cap_in_force(cap_bytes)
         outputs: List[Optional[tf.Tensor]] = []
         waiting: Dict[str, Tuple[int, _Bucketable]] = {}
         scheduled: Dict[tuple, Dict[str, Tuple[int, _Scheduled]]] = {}
         for position, (tensor, pending, name) in enumerate(members):
-            prepared = self._prepare(tensor, pending, name, op_name, prescale_factor, postscale_factor, process_set)
+            prepared = self._prepare(tensor, pending, name, op_name, prescale_factor, postscale_factor, process_set,
+                                     held)
             if isinstance(prepared, _Bucketable):
                 waiting[name] = (position, prepared)
                 prepared = None
@@ -274,7 +279,8 @@ class TopKEF(TopKEFBase[Any]):
         return out  # type: ignore[return-value]
 
     def _prepare(self, tensor: tf.Tensor, pending: PendingReduction, name: str, op_name: str, prescale_factor: float,
-                 postscale_factor: float, process_set: Any) -> Union[None, "_Bucketable", "_Scheduled"]:
+                 postscale_factor: float, process_set: Any, held: bool = False
+                 ) -> Union[None, "_Bucketable", "_Scheduled"]:
         """Everything of a tensor's reduction up to its exchange: the agreement check, the counters, the state,
         the spike guard. Returns None (dense) or what its exchange needs, at a fixed k or by schedule: it may
         share a bucket."""
@@ -325,7 +331,10 @@ class TopKEF(TopKEFBase[Any]):
                      dense_nbytes, scale, process_set)
         if schedule is not None:
             assert self._auto_tick is not None
-            self._auto_tick.follow(name, schedule)
+            if held:  # the full schedule, which stats()' exchanges report, is followed by update mode's own branch
+                schedule = held_schedule(schedule)
+            else:
+                self._auto_tick.follow(name, schedule)
             return _Scheduled(step, schedule, self._auto_tick.choice(name, process_set),
                               ("auto", _route_pattern(schedule)))
         assert k is not None and exchange is not None

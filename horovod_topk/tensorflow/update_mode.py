@@ -22,6 +22,9 @@ point -- ``apply`` in Keras 3, ``apply_gradients`` in Keras 2 -- runs on every r
    allgather's in buckets of ``bucket_bytes``;
 5. every rank sets each variable to (before - the averaged update): the same bytes on every rank.
 
+Under ratio="auto", a step while auto holds dense or fp16 runs as gradient mode instead of 2-5 (the gradient
+route, horovod_topk.tensorflow.gradient_route): the step branches on what one host call per step returns.
+
 The math and the decisions are core's (core.update_mode, core.plan via ``TopKEF.start_group``); this module
 only orders the TensorFlow ops (tensorflow.noise_share has the sketch's). The shared second moment is PyTorch's (it
 computes torch's Adam): refused here.
@@ -148,7 +151,7 @@ class UpdateStep:
             entered = route.enter(code, gradient_route.own_state(optimizer_variables()), targets, residuals)
             with tf.control_dependencies([entered]):  # the residuals' mean out before the exchange adds them
                 dense = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
-            averaged = self._exchange(dense, keys)
+            averaged = self._exchange(dense, keys, held=True)
             finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in averaged])
 
             def take() -> tf.Tensor:
@@ -250,17 +253,17 @@ class UpdateStep:
                             process_set=self.process_set)
         return tf.equal(summed[0], 0.0), summed[1:]
 
-    def _exchange(self, updates: Sequence[tf.Tensor], keys: Sequence[str]) -> List[tf.Tensor]:
+    def _exchange(self, updates: Sequence[tf.Tensor], keys: Sequence[str], held: bool = False) -> List[tf.Tensor]:
         """The ranks' average of every update through the compressor, in buckets of bucket_bytes (one allgather per
         bucket, horovod_topk.tensorflow.buckets: the updates are all ready at once), or Horovod's dense allreduce
-        where core plans a dense tensor."""
+        where core plans a dense tensor. ``held``: gradients on the gradient route (dense or fp16 only)."""
         from horovod.tensorflow import _allreduce
         from horovod.tensorflow.mpi_ops import Average
 
         marked = [self.compressor.compress(u) for u in updates]
         reduced = self.compressor.start_group(
             [(alias, pending, key) for (alias, pending), key in zip(marked, keys)], self.compressor.config.bucket_bytes,
-            op_name="average", prescale_factor=1.0, postscale_factor=1.0, process_set=self.process_set)
+            op_name="average", prescale_factor=1.0, postscale_factor=1.0, process_set=self.process_set, held=held)
         out = []
         for update, key, result in zip(updates, keys, reduced):
             if result is None:  # dense: Horovod's own allreduce

@@ -416,3 +416,21 @@ def test_probes_that_read_the_link_within_its_noise_leave_the_link_the_predictio
         assert (choice.predicted_s["dense"] == pytest.approx(2.0)) is dense_stays, choice.predicted_s["dense"]
         assert auto.last["probed_bps"] == pytest.approx(rate)
         assert (f"(probed {rate / 1e6:.1f})" in auto.summary_line()) is dense_stays
+
+
+def test_held_schedule_keeps_dense_and_fp16_branches_only():
+    """Update mode's gradient route traces the routes of dense and fp16 alone; a density's position points at dense's
+    branch (never in force there), and a tensor auto always sends dense keeps one branch, still scheduled."""
+    from horovod_topk.core.autodensity import CHOICES, auto_schedule, held_schedule
+    from horovod_topk.core.config import TopKConfig
+    from horovod_topk.core.exchange import DENSE, DENSE_HALF
+
+    config = TopKConfig(ratio="auto", min_numel=256)
+    full = auto_schedule("w", 65536, True, config, world_size=4, value_itemsize=4, grad_itemsize=4, half=True)
+    held = held_schedule(full)
+    assert len(full.routes) > 2 and held.routes == (DENSE, DENSE_HALF)
+    assert len(held.phase) == len(CHOICES) == len(full.phase)
+    assert [held.routes[p] for p in held.phase] == [DENSE, DENSE_HALF] + [DENSE] * (len(CHOICES) - 2)
+    assert set(held.count) == {0}
+    no_half = auto_schedule("w", 65536, True, config, world_size=4, value_itemsize=4, grad_itemsize=4, half=False)
+    assert held_schedule(no_half).routes == (DENSE,)

@@ -174,3 +174,26 @@ def test_target_auto_exchanges_updates_for_the_adam_family_only():
     assert resolve_target(TopKConfig(target="gradient"), ADAM) == "gradient"
     assert resolve_target(TopKConfig(target="update"), "torch.optim.sgd.SGD") == "update"  # named: as asked
     assert resolve_target(TopKConfig(second_moment="local"), ADAM) == "update"  # update options with auto
+
+
+def test_route_step_follows_what_auto_holds_and_keeps_the_scopes():
+    """The route of an update-mode step under ratio="auto": entering when auto first holds dense or fp16, on the
+    route while it holds, leaving at the first density; a resync once after an elastic reset, only on the route."""
+    from horovod_topk.core.autodensity import HALF, AutoDensity
+    from horovod_topk.core.config import TopKConfig
+    from horovod_topk.core.update_mode import RouteStep, route_step
+
+    auto = AutoDensity(TopKConfig(ratio="auto"), half=True)
+    seen = []
+    for ratio in (None, None, HALF, 0.01, 0.01, HALF):
+        auto.ratio = ratio
+        seen.append(route_step(auto, "opt"))
+    assert seen == [RouteStep.ENTER, RouteStep.ROUTE, RouteStep.ROUTE, RouteStep.LEAVE, RouteStep.LOCAL,
+                    RouteStep.ENTER]
+    assert auto.shared_scopes == ["opt"] and route_step(auto, "other") == RouteStep.ENTER
+    auto.resync_scopes = ["opt"]
+    assert route_step(auto, "opt") == RouteStep.RESYNC and auto.resync_scopes == []
+    assert route_step(auto, "opt") == RouteStep.ROUTE
+    auto.resync_scopes, auto.ratio = ["opt"], 0.03
+    assert route_step(auto, "opt") == RouteStep.LEAVE and auto.resync_scopes == []
+    assert auto.shared_scopes == ["other"]
