@@ -73,39 +73,37 @@ class GradientRoute:
               residuals: Sequence[Optional[tf.Variable]]) -> tf.Operation:
         """On ENTER: the ranks' mean of every own-state variable and of every residual, the residual's mean
         subtracted from its variable and the residual zeroed; on RESYNC the own state only; nothing otherwise."""
-        def average(variables: Sequence[tf.Variable], prefix: str) -> List[Any]:
+        def share(with_residuals: bool) -> tf.Tensor:
+            """The means, one allreduce per dtype over every tensor flattened into one (entering runs rarely but
+            is traced into every graph: one collective op instead of one per tensor)."""
             from horovod.tensorflow.mpi_ops import Average, _allreduce
 
-            return [v.assign(_allreduce(v.read_value(), name=share_name(prefix, i), op=Average,
-                                        ignore_name_scope=True, process_set=self.process_set))
-                    for i, v in enumerate(variables)]
-
-        def share_state() -> tf.Tensor:
-            with tf.control_dependencies(average(state, f"{self.scope}.optimizer")):
-                return tf.constant(True)
-
-        def share_all() -> tf.Tensor:
-            from horovod.tensorflow.mpi_ops import Average, _allreduce
-
-            done = average(state, f"{self.scope}.optimizer")
-            for index, (target, residual) in enumerate(zip(targets, residuals)):
-                if residual is None:
-                    continue
-                mean = _allreduce(residual.read_value(), name=share_name(f"{self.scope}.residual", index),
-                                  op=Average, ignore_name_scope=True, process_set=self.process_set)
-                with tf.control_dependencies([mean]):
-                    done.append(residual.assign(tf.zeros_like(residual)))
-                done.append(target.assign_sub(tf.reshape(tf.cast(mean, target.dtype), tf.shape(target))))
+            sources = [(v, None) for v in state]
+            if with_residuals:
+                sources += [(r, t) for t, r in zip(targets, residuals) if r is not None]
+            done: List[Any] = []
+            for dtype in sorted({v.dtype for v, _ in sources}, key=lambda d: d.name):
+                group = [(v, t) for v, t in sources if v.dtype == dtype]
+                values = [tf.reshape(v.read_value(), [-1]) for v, _ in group]
+                means = tf.split(_allreduce(tf.concat(values, 0), name=share_name(f"{self.scope}.{dtype.name}", 0),
+                                            op=Average, ignore_name_scope=True, process_set=self.process_set),
+                                 [v.shape.num_elements() for v, _ in group])
+                for (variable, target), mean in zip(group, means):
+                    if target is None:  # the optimizer's own state: the ranks' mean
+                        done.append(variable.assign(tf.reshape(mean, tf.shape(variable))))
+                    else:  # a residual: its mean applied to the variable, the residual emptied
+                        done.append(target.assign_sub(tf.reshape(tf.cast(mean, target.dtype), tf.shape(target))))
+                        done.append(variable.assign(tf.zeros_like(variable)))
             with tf.control_dependencies(done):
                 return tf.constant(True)
 
         if tf.executing_eagerly():
             value = int(code)
-            taken = share_all() if value == RouteStep.ENTER else share_state() if value == RouteStep.RESYNC else None
-            return tf.no_op() if taken is None else tf.group(taken)
-        none = lambda: tf.constant(False)  # noqa: E731
-        return tf.group(tf.cond(tf.equal(code, RouteStep.ENTER), share_all,
-                                lambda: tf.cond(tf.equal(code, RouteStep.RESYNC), share_state, none)))
+            return tf.group(share(True)) if value == RouteStep.ENTER else \
+                tf.group(share(False)) if value == RouteStep.RESYNC else tf.no_op()
+        return tf.group(tf.cond(tf.equal(code, RouteStep.ENTER), lambda: share(True),
+                                lambda: tf.cond(tf.equal(code, RouteStep.RESYNC), lambda: share(False),
+                                                lambda: tf.constant(False))))
 
     def absorb(self, code: tf.Tensor, grads: Sequence[Any], residuals: Sequence[Optional[tf.Variable]]) -> List[Any]:
         """On LEAVE: each gradient plus what its residual holds (gradient, fp16's leftovers), the residual zeroed;
