@@ -177,17 +177,19 @@ class UpdateStep:
     def _update_step(self, local_apply: Callable[[List[Any], List[Any]], Any], grads: List[Any],
                      variables: List[Any], targets: List[Any], keys: List[str], step: Any,
                      absorb: Callable[[List[Any]], List[Any]]) -> tf.Tensor:
-        """The step in update mode: steps 2-5 of the module's docstring. ``absorb``: the gradients the local step
-        takes, from this rank's own (the gradient route's leftovers joined on leaving it)."""
+        """The step in update mode: steps 2-5 of the module's docstring. ``absorb``: the gradients the step takes,
+        from this rank's own (the gradient route's leftovers joined on leaving it: before the non-finite check, as
+        PyTorch joins them into ``.grad``, so that a leftover never stays behind as an update residual when the step
+        leaving the route is skipped -- it goes with that step's gradient)."""
+        grads = absorb(grads)
         finite, sketches = self._agree_finite(grads, step)
 
         def take() -> tf.Tensor:
             before = [tf.identity(t.read_value()) for t in targets]
             calibrating = self._calibrate(sketches, targets, keys) if sketches is not None else []
             with tf.control_dependencies(before + calibrating):
-                own = absorb(grads)
                 try:
-                    applied = local_apply(own, variables)
+                    applied = local_apply(grads, variables)
                 finally:
                     self._shares = {}
             with tf.control_dependencies(_ops_of(applied)):
