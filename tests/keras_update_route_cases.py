@@ -234,3 +234,35 @@ def test_after_an_elastic_reset_the_route_averages_the_ranks_own_state_again(mon
     assert _same_on_every_rank([v.numpy() for v in own_state(optimizer.variables)], "route.tf.resync.moments")
     assert _same_on_every_rank(_weights(model), "route.tf.resync.weights")
     assert compressor.auto.resync_scopes == []
+
+
+def test_an_embedding_through_the_route_and_back_keeps_ranks_identical(monkeypatch):
+    """An embedding's gradient (IndexedSlices) on the route (made dense for the exchange) and on leaving fp16 (its
+    residual joined as rows of their own): the traced step builds, runs dense -> fp16 -> a density, and every rank's
+    weights stay the same bytes."""
+    links = {FIRST_DECISION: half_link, SECOND_DECISION: slow_link}
+    script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
+    compressor = TopKEF(ratio="auto", min_numel=16, target="update", auto_every=CHECK_STEPS)
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(64, 8),
+                              keras.layers.Flatten(), keras.layers.Dense(4)])
+    optimizer = _wrap(_adam(), compressor)
+    loss_fn = _loss_fn()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return grads[0]
+
+    rng = np.random.RandomState(7 + hvd.rank())
+    ratios = []
+    for _ in range(SECOND_DECISION + 2):
+        first = step(rng.randint(0, 64, (16, 4)), rng.randint(0, 4, 16))
+        ratios.append(compressor.auto.ratio)
+    assert isinstance(first, tf.IndexedSlices)
+    assert ratios[FIRST_DECISION] == HALF and isinstance(ratios[SECOND_DECISION], float), ratios
+    assert _same_on_every_rank(_weights(model), "route.tf.embedding.weights")

@@ -132,4 +132,7 @@ class GradientRoute:
             return list(grads)
         if tf.executing_eagerly():
             return joined() if int(code) == RouteStep.LEAVE else list(grads)
-        return tf.cond(tf.equal(code, RouteStep.LEAVE), joined, lambda: list(grads))
+        out = tf.cond(tf.equal(code, RouteStep.LEAVE), joined, lambda: list(grads))
+        # what a cond returns has the shapes both branches agree on: the gradients' own, given back
+        return [tf.IndexedSlices(tf.ensure_shape(o.values, [None] + g.values.shape[1:]), o.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else tf.ensure_shape(o, g.shape) for g, o in zip(grads, out)]

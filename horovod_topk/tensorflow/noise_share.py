@@ -55,8 +55,8 @@ def sketch(gradient: Any, width: int, salt: tf.Tensor) -> tf.Tensor:
     """One rank's ``width + 1`` float32 values for one tensor: the count sketch of ``gradient`` (entry ``r * width +
     b`` into bucket ``b`` with row ``r``'s sign; the last row padded with zeros) and then ``||gradient||**2``. An
     embedding's IndexedSlices count as the dense gradient they sum to. A NaN/Inf entry makes both non-finite."""
-    flat = tf.reshape(tf.cast(tf.convert_to_tensor(gradient), tf.float32), [-1])
-    numel = int(flat.shape[0])
+    numel = gradient.shape.num_elements()  # an IndexedSlices' dense shape, which its conversion can lose in a branch
+    flat = tf.ensure_shape(tf.reshape(tf.cast(tf.convert_to_tensor(gradient), tf.float32), [-1]), [numel])
     rows = max(1, -(-numel // width))
     padded = tf.reshape(tf.pad(flat, [[0, rows * width - numel]]), [rows, width])
     buckets = tf.linalg.matvec(padded, row_signs(rows, salt), transpose_a=True)

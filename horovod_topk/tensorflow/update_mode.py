@@ -150,7 +150,7 @@ class UpdateStep:
         def on_route() -> tf.Tensor:
             entered = route.enter(code, gradient_route.own_state(optimizer_variables()), targets, residuals)
             with tf.control_dependencies([entered]):  # the residuals' mean out before the exchange adds them
-                dense = [tf.identity(tf.convert_to_tensor(g)) for g in grads]
+                dense = [tf.ensure_shape(tf.convert_to_tensor(g), t.shape) for g, t in zip(grads, targets)]
             averaged = self._exchange(dense, keys, held=True)
             finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in averaged])
 
