@@ -91,6 +91,38 @@ def powersgd(accs: List[torch.Tensor], shape: torch.Size, rank: int, state: dict
     return (p @ q.t()).reshape(-1)
 
 
+def integer_sum(accs: List[torch.Tensor], key: int, state: dict, spread: float, bits: int,
+                from_average: bool = False) -> Tuple[torch.Tensor, int]:
+    """Every worker's accumulator rounded to an integer grid of step delta and summed as integers of BITS bits
+    (a sum-allreduce of int8 for 8), in place: each worker's integers are clamped to +-L with
+    L = (2^(BITS-1) - 1) // P so that the sum of P cannot overflow, delta = SPREAD x M / L, M being the workers'
+    mean of their largest magnitude on the step before (one float per tensor and worker, which every worker holds
+    after that step's exchange); what a worker's integers do not carry stays in its accumulator. A tensor's first
+    step, or one whose M was 0, goes in float16 instead. ``from_average``: M is the largest magnitude of the average
+    applied on the step before instead (no float to exchange). Returns (the applied average, bytes one worker hands
+    over)."""
+    workers = len(accs)
+    limit = (2 ** (bits - 1) - 1) // workers
+    if limit < 1:
+        raise ValueError(f"{bits}-bit integers cannot hold the sum of {workers} workers")
+    reference = state.get(key, 0.0)
+    if not from_average:
+        state[key] = sum(float(a.abs().max()) for a in accs) / workers
+    if reference == 0.0:
+        sent = [quantize(a, 16) for a in accs]
+        nbytes = 2 * accs[0].numel() + 4
+    else:
+        delta = spread * reference / limit
+        sent = [torch.round(a / delta).clamp(-limit, limit) * delta for a in accs]
+        nbytes = bits * accs[0].numel() // 8 + 4
+    for a, s_ in zip(accs, sent):
+        a -= s_
+    applied = sum(sent) / workers
+    if from_average:
+        state[key] = float(applied.abs().max())
+    return applied, nbytes
+
+
 def cyclic(acc: torch.Tensor, period: int, ratio: float, step: List[int]) -> torch.Tensor:
     """Top-k (float8 values) plus, every step, every ``period``-th entry starting at step % period, in float8
     without indices (the slice is implied by the step): every coordinate reaches the optimizer at least once
@@ -370,7 +402,7 @@ class LocalAdam:
 
 
 def make_method(spec: str) -> Dict[str, object]:
-    """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' ; bytes per entry/coordinate too."""
+    """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' | 'isum:SPREAD[:BITS]'; bytes per entry/coordinate too."""
     parts = spec.split(":")
     kind = parts[0]
     if kind == "dense":
@@ -408,6 +440,12 @@ def make_method(spec: str) -> Dict[str, object]:
         return {"inplace": lambda accs: sparse_allreduce(accs, ratio, keep)}
     if kind == "sign":
         return {"fn": lambda a: quantize(a, 1), "bytes_per_coord": 1 / 8}
+    if kind in ("isum", "isumavg"):  # 'isum:SPREAD[:BITS]': an integer sum-allreduce with a shared scale (integer_sum)
+        spread = float(parts[1])
+        bits = int(parts[2]) if len(parts) > 2 else 8
+        isum_state: dict = {}
+        return {"inplace": lambda accs, key: integer_sum(accs, key, isum_state, spread, bits, kind == "isumavg"),
+                "keyed": True}
     raise ValueError(f"unknown method {spec!r}")
 
 
@@ -535,7 +573,7 @@ def run(task: LMTask, spec: str, seed: int, steps: int, workers: int, min_numel:
                 continue
             accs = [residuals[w][i].add_(grads[w][i]) for w in range(workers)]
             if "inplace" in method:
-                applied, nbytes = method["inplace"](accs)
+                applied, nbytes = method["inplace"](accs, i) if method.get("keyed") else method["inplace"](accs)
                 bytes_sent += nbytes * workers
             elif "joint" in method:
                 applied, nbytes = method["joint"](accs, p.shape, i)

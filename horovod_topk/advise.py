@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from horovod_topk.core.autodensity import HALF, label, steps_factor
+from horovod_topk.core.autodensity import HALF, INT8, label, steps_factor
 from horovod_topk.core.config import DEFAULT_SPARSITY_COST, INDEX_BITS, VALUE_DTYPES, TopKConfig
 from horovod_topk.core.costmodel import (
     latency_bytes,
@@ -342,8 +342,8 @@ def row_method(row: dict, base: TopKConfig) -> Tuple[str, TopKConfig]:
         return method, base
     if method == "auto":  # ratio="auto": predicted as the density it chose (bench_e2e records it)
         chosen = (row.get("auto") or {}).get("ratio")
-        if chosen is None or chosen == HALF:  # dense, or every tensor dense in float16
-            return ("dense" if chosen is None else "fp16"), base
+        if chosen is None or chosen in (HALF, INT8):  # dense, or every tensor dense in float16 / int8
+            return ("dense" if chosen is None else str(chosen)), base
         return "topk", TopKConfig(**{**base.to_dict(), "ratio": float(chosen), "exchange": base.exchange})
     m = _TOPK_METHOD.fullmatch(method)
     if m is None:
@@ -361,7 +361,7 @@ def auto_comparison(auto: dict, rate_bps: float, efficiency: float, t_step: floa
     """What ratio="auto" measured next to this model: its probed rate against the nominal rate x efficiency, and
     its own predicted step for the density it chose against the measured step."""
     chosen = auto.get("ratio")
-    key = label(chosen if chosen is None or chosen == HALF else float(chosen))
+    key = label(chosen if chosen is None or chosen in (HALF, INT8) else float(chosen))
     predicted = (auto.get("predicted_s") or {}).get(key)
     probed = auto.get("bandwidth_bps")
     parts = [f"auto chose {key}"]

@@ -12,12 +12,14 @@ entry not sent costs convergence. So with ``TopKConfig(ratio="auto", budget=b)``
    as that change probed it (AutoDensity.reusable_probes), and a regular decision takes the last probes again
    when its choice would stand on a link half or twice as fast (AutoDensity.confirmable_probes, link_settles);
    fresh probes within LINK_NOISE of the link the predictions take leave it as it is (AutoDensity.steady_link);
-3. predicts the step time of dense, of dense in float16 (HALF, where the front end can send it) and of every
+3. predicts the step time of dense, of dense in float16 (HALF, where the front end can send it), of dense in
+   bytes on a shared grid (INT8, where the front end can send it) and of every
    density of DENSITIES with core.costmodel's per-tensor routes
    and bytes (the same plan_tensor the compressor executes), and the time to the target: step time x the steps
    density d is taken to need, d ** -sparsity_cost times dense's (a prior from steps-to-target runs: the
    compressor never sees the loss). It takes **the largest density whose communication beyond compute fits the
-   budget** (exposed <= budget x step), dense when dense fits, then fp16 (half dense's bytes, dense's steps), or
+   budget** (exposed <= budget x step), dense when dense fits, then fp16 (half dense's bytes, dense's steps), then
+   int8 (a quarter of dense's bytes, taken to need dense's steps too), or
    the soonest to the target of the denser ones when they are sooner; if none fits, the densest within 5% of the
    soonest; never one predicted later than dense;
 4. decides again every ``auto_every`` steps (and soon after every change, to check the prediction against the
@@ -33,7 +35,7 @@ Prediction, per step::
               collectives ran slower than the probes predict), so that T(dense) is the step measured
     offset  = measured - predicted step of the last sparse window: what compressing costs beyond its selection
               and its bytes (more collectives, their cycles, CPU taken from backward), the same for every density
-              (fp16 has its own, from its own window: the casts and the residual's pass)
+              (fp16 and int8 have their own, from their own windows: the casts and the residual's pass)
 
 Everything here is a pure function of numbers every rank holds after the reduction, so every rank takes the same
 decision at the same step; the compressor re-runs its rank agreement check after each change.
@@ -47,12 +49,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .config import TopKConfig
 from .costmodel import Link, collectives_per_step, comm_time, route_tensors
-from .exchange import COLLECTIVES, DENSE, DENSE_HALF, SPARSE_ALLREDUCE
+from .exchange import COLLECTIVES, DENSE, DENSE_HALF, DENSE_INT8, SPARSE_ALLREDUCE, int8_lane_limit
 from .policy import RouteSchedule, TensorPlan, plan_tensor, route_schedule
 
 __all__ = [
     "DENSITIES",
     "HALF",
+    "INT8",
     "Density",
     "HYSTERESIS",
     "WINDOW_STEPS",
@@ -78,6 +81,7 @@ __all__ = [
     "auto_schedule",
     "dense_plan",
     "half_plan",
+    "int8_plan",
 ]
 
 #: The densities auto chooses among, densest first (dense itself is the candidate None).
@@ -86,10 +90,19 @@ DENSITIES = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
 #: ``Compression.fp16`` sends, with error feedback (core.exchange.DENSE_HALF). Chosen where the front end sends it
 #: (AutoDensity.half); it goes between dense and the densities because it sends more of the gradient than any of them.
 HALF = "fp16"
-#: What auto may have in force: None (dense), HALF, or one of DENSITIES.
+#: Every tensor dense with each value one byte on a grid the ranks share (core.exchange.DENSE_INT8): a quarter of
+#: dense's bytes. Its rounding goes to the residual as fp16's does, and the simulator's screen found dense's loss at
+#: dense's steps on both language models (docs/auto-density.md), so it is priced at dense's steps like fp16.
+#: Chosen where the front end sends it (AutoDensity.int8) and P ranks' integers fit a byte; it goes between fp16
+#: and the densities.
+INT8 = "int8"
+#: What auto may have in force: None (dense), HALF, INT8, or one of DENSITIES.
 Density = Union[None, str, float]
-#: Every choice, dense first: the position a traced graph (TensorFlow) looks up to take the density in force.
-CHOICES: Tuple[Density, ...] = (None, HALF) + DENSITIES
+#: Every choice: the position a traced graph (TensorFlow) looks up to take the density in force. INT8 last, so
+#: that the others keep their positions.
+CHOICES: Tuple[Density, ...] = (None, HALF) + DENSITIES + (INT8,)
+#: The dense choices (every tensor dense, in its own dtype, float16 or bytes), densest first.
+HELD = (None, HALF, INT8)
 #: How many of the last decisions that changed the choice stats()["auto"]["history"] keeps.
 HISTORY_KEPT = 64
 #: A change needs a 25% margin: the step predicted this much faster, or the budget missed (or met) by this much.
@@ -134,15 +147,16 @@ COLUMNS = ("period_s", "compute_s", "compress_s", "latency_s", "large_s", "selec
 
 
 def window_kind(ratio: Density) -> str:
-    """What a window run at ``ratio`` measures: "dense", HALF, or "sparse" (any density: one offset for all)."""
-    return "dense" if ratio is None else HALF if ratio == HALF else "sparse"
+    """What a window run at ``ratio`` measures: "dense", HALF, INT8, or "sparse" (any density: one offset for
+    all)."""
+    return "dense" if ratio is None else ratio if ratio in (HALF, INT8) else "sparse"  # type: ignore[return-value]
 
 
 def choice_index(ratio: Density) -> int:
     """The position of ``ratio`` (None: dense) in CHOICES."""
     if ratio not in CHOICES:
-        raise ValueError(f"horovod-topk: {ratio!r} is not one of auto's choices: None (dense), {HALF!r} or one of "
-                         f"{DENSITIES}")
+        raise ValueError(f"horovod-topk: {ratio!r} is not one of auto's choices: None (dense), {HALF!r}, {INT8!r} "
+                         f"or one of {DENSITIES}")
     return CHOICES.index(ratio)
 
 
@@ -165,6 +179,14 @@ def half_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
     return TensorPlan(numel, None, "ratio='auto': fp16", DENSE_HALF)
 
 
+def int8_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
+    """A tensor's plan while ratio="auto" holds int8: dense in bytes on a shared grid, unless that saves nothing
+    (a gradient of one byte a value already, not floating point, or empty: dense as it is)."""
+    if not is_floating or grad_itemsize <= 1 or numel == 0:
+        return dense_plan(numel)
+    return TensorPlan(numel, None, "ratio='auto': int8", DENSE_INT8)
+
+
 def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, *, world_size: int,
                   value_itemsize: int, grad_itemsize: int, sparse_available: bool = False, half: bool = False
                   ) -> Optional[RouteSchedule]:
@@ -172,12 +194,13 @@ def auto_schedule(name: str, numel: int, is_floating: bool, config: TopKConfig, 
     branch per route and looks up the choice in force at each step; None when every choice sends it dense (not
     floating, or too small and fp16 not offered). Each position's plan is the one PyTorch executes while that
     choice is in force: plan_tensor's at a density, half_plan's at HALF where ``half`` (the compressor's
-    AutoDensity offers fp16: every floating tensor, however small, goes in float16 then), else dense."""
+    AutoDensity offers fp16: every floating tensor, however small, goes in float16 then), else dense; INT8's is
+    dense (a traced graph's front end does not send int8: its grid's reference is read on the host)."""
     held = half_plan(numel, is_floating, grad_itemsize) if half else dense_plan(numel)
     plans = [dense_plan(numel), held] + [
         plan_tensor(name, numel, is_floating, config_at(config, ratio), world_size=world_size,
                     value_itemsize=value_itemsize, grad_itemsize=grad_itemsize, sparse_available=sparse_available)
-        for ratio in DENSITIES]
+        for ratio in DENSITIES] + [dense_plan(numel)]
     return route_schedule(plans)
 
 
@@ -287,21 +310,23 @@ def predict_steps(
     offset_s: float,
     grad_itemsize: int = 4,
     half_offset_s: float = 0.0,
+    int8_offset_s: float = 0.0,
 ) -> Tuple[Dict[str, float], Dict[str, float], Dict[str, int]]:
     """(predicted step time, predicted exposed time, entries compressed) per candidate label ("dense", "fp16",
-    and each density of DENSITIES) from the compute of the last dense window and the probed link (module
+    "int8", and each density of DENSITIES) from the compute of the last dense window and the probed link (module
     docstring). A negative ``hidden_s`` is dense's communication measured slower than the probes predict;
-    ``half_offset_s`` is what an fp16 window measured beyond fp16's prediction."""
+    ``half_offset_s`` (``int8_offset_s``) is what an fp16 (int8) window measured beyond its prediction."""
     link = m.link()
     world_size = m.world_size
     steps: Dict[str, float] = {}
     exposed: Dict[str, float] = {}
     compressed: Dict[str, int] = {}
-    for method in ("dense", "fp16"):
+    held_offsets = {"dense": 0.0, HALF: half_offset_s, INT8: int8_offset_s}
+    for method, held_offset in held_offsets.items():
         routes = route_tensors(method, tensors, world_size, grad_itemsize=grad_itemsize)
         t_comm = comm_time(sum(r.nbytes for r in routes), collectives_per_step(routes, method, world_size,
                                                                                 grad_itemsize, link), link)
-        exposed[method] = max(0.0, t_comm - hidden_s + (half_offset_s if method == HALF else 0.0))
+        exposed[method] = max(0.0, t_comm - hidden_s + held_offset)
         steps[method] = compute_s + exposed[method]
         compressed[method] = 0
     for ratio in DENSITIES:
@@ -338,11 +363,14 @@ def choose_density(
     grad_itemsize: int = 4,
     half: bool = False,
     half_offset_s: float = 0.0,
+    int8: bool = False,
+    int8_offset_s: float = 0.0,
     unmeasured: Sequence[str] = (),
     abandoned: Sequence[str] = (),
 ) -> Choice:
-    """The density for the next steps (None: dense; HALF: dense in float16, a candidate only where ``half``). Pure:
-    every rank computes it from the same numbers.
+    """The density for the next steps (None: dense; HALF: dense in float16, a candidate only where ``half``; INT8:
+    dense in bytes, only where ``int8`` and P ranks' integers fit a byte). Pure: every rank computes it from the
+    same numbers.
 
     Time to the target is step time x steps_factor (``config.sparsity_cost``; 0: step time alone). The largest
     density (dense first) whose exposed communication fits ``config.budget`` of the step, unless a denser one is
@@ -366,7 +394,11 @@ def choose_density(
     budget = float(config.budget if config.budget is not None else 0.0)
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
                                       hidden_s=hidden_s, offset_s=offset_s, grad_itemsize=grad_itemsize,
-                                      half_offset_s=half_offset_s)
+                                      half_offset_s=half_offset_s, int8_offset_s=int8_offset_s)
+    offered = {None: True, HALF: half, INT8: int8 and int8_lane_limit(m.world_size) >= 1}
+    if not offered[INT8]:  # predicted for no one: kept out of the telemetry too
+        for table in (steps, exposed):
+            table.pop(INT8, None)
     time = to_target(steps, float(config.sparsity_cost or 0.0))
 
     def choice(ratio: Density, why: str) -> Choice:
@@ -374,14 +406,13 @@ def choose_density(
 
     if m.world_size <= 1:
         return choice(None, "one worker: nothing travels")
-    order: List[Density] = [None, HALF, *DENSITIES] if half else [None, *DENSITIES]
+    order: List[Density] = [r for r in HELD if offered[r]] + list(DENSITIES)
     if current not in order:  # fp16 in force where it is no longer a candidate: decide afresh
         current, first = None, True
     fitting = [r for r in order if _fits(label(r), steps, exposed, budget)]
     if fitting:
         best = fitting[0]
-        why = (f"{label(best)} fits the budget" if best is None or best == HALF
-               else "the largest density that fits the budget")
+        why = (f"{label(best)} fits the budget" if best in HELD else "the largest density that fits the budget")
     else:  # compress no more than the link needs: the densest near the soonest to the target. With sparsity_cost
         # 0 "near" is the budget, a proxy for what entries not sent cost; a positive cost prices that already, so
         # only a FASTER tie goes to the denser one.
@@ -427,7 +458,9 @@ class AutoDensity:
     config: TopKConfig
     #: Whether this front end sends HALF (dense in float16), so that auto may choose it.
     half: bool = False
-    #: The density in force (None: dense; HALF: dense in float16). Dense until the first decision.
+    #: Whether this front end sends INT8 (dense in bytes on a shared grid), so that auto may choose it.
+    int8: bool = False
+    #: The density in force (None: dense; HALF: dense in float16; INT8: in bytes). Dense until the first decision.
     ratio: Density = None
     #: Steps begun since construction or load (the global step of this compressor).
     step: int = -1
@@ -439,8 +472,10 @@ class AutoDensity:
     compute_s: float = 0.0
     hidden_s: float = 0.0
     offset_s: float = 0.0
-    #: What the last fp16 window measured beyond fp16's prediction (its casts, its residual's pass).
+    #: What the last fp16 window measured beyond fp16's prediction (its casts, its residual's pass); the same of
+    #: int8 for int8.
     half_offset_s: float = 0.0
+    int8_offset_s: float = 0.0
     decisions: int = 0
     changes: int = 0
     last: Dict[str, Any] = field(default_factory=dict)
@@ -464,7 +499,7 @@ class AutoDensity:
     #: What the last decision did, "kept" or "changed" the choice ("" after a load or decide_soon): a decision after
     #: a kept one may confirm the last probes (confirmable_probes), one after a change is its check (``abandoned``).
     _last_did: str = ""
-    #: What windows of this job have run: "dense", HALF, "sparse" (any density): the others' predictions lack their
+    #: What windows of this job have run: "dense", HALF, INT8, "sparse" (any density): the others' predictions lack their
     #: measured offset (choose_density's ``unmeasured``).
     measured: List[str] = field(default_factory=list)
     #: Choices (labels) a check left one window after a change took them: coming back to one needs the hysteresis
@@ -567,15 +602,15 @@ class AutoDensity:
         with its measured selection cost), the terms the window measures (a dense window: compute and hidden; an
         fp16 window: fp16's offset; a sparse one: the offset), and the choice."""
         terms = {"compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s,
-                 "half_offset_s": self.half_offset_s}
+                 "half_offset_s": self.half_offset_s, "int8_offset_s": self.int8_offset_s}
         if self.ratio is None:  # a dense window: compute, and what backward hid of dense's communication
             raw, _, _ = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
                                       grad_itemsize=grad_itemsize)
             terms.update(compute_s=m.compute_s, hidden_s=raw["dense"] - m.exposed_s)
-        elif self.ratio == HALF:  # an fp16 window: what fp16 costs beyond its bytes on this machine
+        elif self.ratio in (HALF, INT8):  # an fp16 / int8 window: what it costs beyond its bytes on this machine
             before, _, _ = predict_steps(tensors, self.config, m, compute_s=self.compute_s, hidden_s=self.hidden_s,
                                          offset_s=0.0, grad_itemsize=grad_itemsize)
-            terms["half_offset_s"] = m.period_s - before[HALF]
+            terms["half_offset_s" if self.ratio == HALF else "int8_offset_s"] = m.period_s - before[str(self.ratio)]
         else:  # a sparse window: the selection's measured cost, and what the model missed at this density
             _, _, entries = predict_steps(tensors, self.config, m, compute_s=0.0, hidden_s=0.0, offset_s=0.0,
                                           grad_itemsize=grad_itemsize)
@@ -585,10 +620,10 @@ class AutoDensity:
                                          offset_s=0.0, grad_itemsize=grad_itemsize)
             terms["offset_s"] = m.period_s - before[label(self.ratio)]
         measured = set(self.measured) | {window_kind(self.ratio)}
-        unmeasured = ([HALF] if HALF not in measured else []) + (
+        unmeasured = [kind for kind in (HALF, INT8) if kind not in measured] + (
             [label(r) for r in DENSITIES] if "sparse" not in measured else [])
         choice = choose_density(tensors, self.config, m, current=self.ratio, first=self.decisions == 0,
-                                grad_itemsize=grad_itemsize, half=self.half, unmeasured=unmeasured,
+                                grad_itemsize=grad_itemsize, half=self.half, int8=self.int8, unmeasured=unmeasured,
                                 abandoned=self.abandoned, **terms)
         return m, terms, choice
 
@@ -609,6 +644,7 @@ class AutoDensity:
         m, terms, choice = self._weigh(tensors, m, grad_itemsize)
         self.compute_s, self.hidden_s = terms["compute_s"], terms["hidden_s"]
         self.offset_s, self.half_offset_s = terms["offset_s"], terms["half_offset_s"]
+        self.int8_offset_s = terms["int8_offset_s"]
         self.measured = sorted(set(self.measured) | {window_kind(window_ratio)})
         changed = first or choice.ratio != self.ratio
         if self._last_did == "changed" and choice.ratio != window_ratio:  # the check of a change left the choice it took
@@ -637,6 +673,7 @@ class AutoDensity:
             "hidden_s": self.hidden_s,
             "offset_s": self.offset_s,
             "half_offset_s": self.half_offset_s,
+            "int8_offset_s": self.int8_offset_s,
             "predicted_s": dict(choice.predicted_s),
             "to_target_s": dict(choice.to_target_s),
             "world_size": m.world_size,
@@ -665,29 +702,32 @@ class AutoDensity:
         self._started = None
 
     def effective_config(self) -> Optional[TopKConfig]:
-        """The configuration the compressor plans with now; None while dense or fp16 (see :meth:`held_plan`)."""
-        if self.ratio is None or self.ratio == HALF:
+        """The configuration the compressor plans with now; None while dense, fp16 or int8 (see :meth:`held_plan`)."""
+        if self.ratio in HELD:
             return None
         return config_at(self.config, float(self.ratio))  # type: ignore[arg-type]
 
     @property
     def holds_dense(self) -> bool:
-        """Whether the choice in force sends every tensor dense (dense, or fp16): then an update-mode optimizer
+        """Whether the choice in force sends every tensor dense (dense, fp16 or int8): then an update-mode optimizer
         runs the step as gradient mode (core.update_mode, "The gradient route")."""
-        return self.ratio is None or self.ratio == HALF
+        return self.ratio in HELD
 
     @property
     def held_route(self) -> str:
-        """How a tensor goes while :meth:`effective_config` is None: DENSE_HALF while fp16 is in force, else DENSE."""
-        return DENSE_HALF if self.ratio == HALF else DENSE
+        """How a tensor goes while :meth:`effective_config` is None: DENSE_HALF while fp16 is in force, DENSE_INT8
+        while int8 is, else DENSE."""
+        return DENSE_HALF if self.ratio == HALF else DENSE_INT8 if self.ratio == INT8 else DENSE
 
     def held_plan(self, numel: int, is_floating: bool, grad_itemsize: int) -> Optional[TensorPlan]:
-        """A tensor's plan while the choice in force sends every tensor dense (dense, or fp16); None while a
+        """A tensor's plan while the choice in force sends every tensor dense (dense, fp16 or int8); None while a
         density is in force (then plan_tensor under :meth:`effective_config`)."""
         if self.ratio is None:
             return dense_plan(numel)
         if self.ratio == HALF:
             return half_plan(numel, is_floating, grad_itemsize)
+        if self.ratio == INT8:
+            return int8_plan(numel, is_floating, grad_itemsize)
         return None
 
     def summary_line(self) -> str:
@@ -702,13 +742,14 @@ class AutoDensity:
             f"{key} {predicted[key] * 1e3:.0f} ms" + (f" (x{target[key] / predicted[key]:.2f} steps)"
                                                      if key in target and predicted[key] and target[key] != predicted[key]
                                                      else "")
-            for key in dict.fromkeys(("dense", "fp16", label(self.ratio), soonest)) if key in predicted)
+            for key in dict.fromkeys(("dense", HALF, INT8, label(self.ratio), soonest)) if key in predicted
+            and (key != INT8 or self.int8))
         rate, probed = last.get("bandwidth_bps", 0.0), last.get("probed_bps", 0.0)
         read = f" (probed {probed / 1e6:.1f})" if probed and abs(probed - rate) > 0.01 * rate else ""
         return (f"horovod-topk auto: step {last.get('step')}: link {rate / 1e6:.1f} Mbit/s{read}, "
                 f"latency {last.get('latency_s', 0) * 1e3:.2f} ms, compute {last.get('compute_s', 0) * 1e3:.0f} ms, "
                 f"measured step {last.get('measured_step_s', 0) * 1e3:.0f} ms; predicted {shown}; "
-                f"-> {label(self.ratio) if self.ratio is None or self.ratio == HALF else f'ratio {self.ratio:g}'} "
+                f"-> {label(self.ratio) if self.ratio in HELD else f'ratio {self.ratio:g}'} "
                 f"({last.get('reason')}; budget "
                 f"{self.config.budget:.0%}, sparsity_cost {self.config.sparsity_cost:g})")
 
@@ -716,22 +757,23 @@ class AutoDensity:
     def state_dict(self) -> Dict[str, Any]:
         return {"ratio": self.ratio, "step": self.step, "next_decision": self.next_decision,
                 "compute_s": self.compute_s, "hidden_s": self.hidden_s, "offset_s": self.offset_s,
-                "half_offset_s": self.half_offset_s, "decisions": self.decisions, "changes": self.changes,
+                "half_offset_s": self.half_offset_s, "int8_offset_s": self.int8_offset_s,
+                "decisions": self.decisions, "changes": self.changes,
                 "measured": list(self.measured), "abandoned": list(self.abandoned),
                 "shared_scopes": list(self.shared_scopes)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         ratio = state.get("ratio")
-        if ratio is not None and ratio != HALF and ratio not in DENSITIES:
+        if ratio not in HELD and ratio not in DENSITIES:
             raise ValueError(f"horovod-topk: the saved auto density {ratio!r} is not one of {DENSITIES} (or "
-                             f"{HALF!r}, or None: dense)")
-        # fp16 saved where this front end does not send it (another framework's checkpoint): dense, and decide
-        # again after a fresh window (below), as every load does when workers change
-        fresh = ratio == HALF and not self.half
+                             f"{HALF!r}, {INT8!r}, or None: dense)")
+        # fp16 or int8 saved where this front end does not send it (another framework's checkpoint): dense, and
+        # decide again after a fresh window (below), as every load does when workers change
+        fresh = (ratio == HALF and not self.half) or (ratio == INT8 and not self.int8)
         self.ratio = None if fresh else ratio
         self._probes, self._probed_at, self._recheck, self._last_did = None, -1, False, ""  # a job probes its own link
         self._anchor = None
-        self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, "sparse"))
+        self.measured = sorted(str(k) for k in state.get("measured", []) if k in ("dense", HALF, INT8, "sparse"))
         self.abandoned = sorted(str(k) for k in state.get("abandoned", []) if k in {label(c) for c in CHOICES})
         self.shared_scopes = sorted(str(scope) for scope in state.get("shared_scopes", []))
         self.step = int(state.get("step", -1))
@@ -740,6 +782,7 @@ class AutoDensity:
         self.hidden_s = float(state.get("hidden_s", 0.0))
         self.offset_s = float(state.get("offset_s", 0.0))
         self.half_offset_s = float(state.get("half_offset_s", 0.0))
+        self.int8_offset_s = float(state.get("int8_offset_s", 0.0))
         self.decisions = int(state.get("decisions", 0))
         self.changes = int(state.get("changes", 0))
         self.restart_window()

@@ -246,6 +246,7 @@ def sync_after_reset(compressor: Any, transport: Transport[Any]) -> None:
         record.steps = steps
     for _, record in compressor.registry:
         record.verified = False
+        record.int8_reference = 0.0  # a joined rank has none: every rank's next int8 step goes fp16 and sets it
 
 
 def rescale_to_world(state: Dict[str, Any], world_size: int, reductions: Mapping[str, str]) -> bool:

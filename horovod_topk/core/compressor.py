@@ -83,10 +83,15 @@ class CompressorState(abc.ABC, Generic[R]):
     #: Whether this front end sends a tensor dense in float16 (core.exchange.DENSE_HALF), so that ratio="auto" may
     #: choose fp16 (core.autodensity.HALF).
     _sends_half: bool = False
+    #: Whether this front end sends a tensor dense in bytes on a shared grid (core.exchange.DENSE_INT8), so that
+    #: ratio="auto" may choose int8 (core.autodensity.INT8).
+    _sends_int8: bool = False
 
     def _new_auto(self) -> Optional[AutoDensity]:
         """A fresh ratio="auto" state (None under a fixed ratio)."""
-        return AutoDensity(self.config, half=self._sends_half) if self.config.auto else None
+        if not self.config.auto:
+            return None
+        return AutoDensity(self.config, half=self._sends_half, int8=self._sends_int8)
 
     def _report_if_due(self, completed_steps: int, rank: Optional[int] = None) -> None:
         """Called before a tensor starts step ``completed_steps + 1``: the telemetry report of the steps so far,

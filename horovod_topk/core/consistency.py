@@ -16,7 +16,7 @@ import struct
 from typing import List, Optional, Sequence, Tuple
 
 from .config import SECOND_MOMENTS, TARGETS, VALUE_DTYPES, TopKConfig
-from .exchange import DENSE, DENSE_HALF, EXCHANGES
+from .exchange import DENSE, DENSE_HALF, DENSE_INT8, EXCHANGES
 
 __all__ = ["FINGERPRINT_LENGTH", "RankMismatch", "fingerprint", "mismatch_message", "check_name"]
 
@@ -29,7 +29,7 @@ _FIELDS = ("version", "ratio", "k", "min_numel", "value_dtype", "index_bits", "d
            "momentum", "dtype", "numel", "step", "decision", "exchange", "route", "target", "second_moment",
            "second_moment_block", "second_moment_sketch", "budget", "auto_every", "sparsity_cost", "bucket_bytes")
 #: What a "route" field encodes: the exchange a tensor actually takes this step (core.exchange).
-_ROUTES = (DENSE,) + EXCHANGES + (DENSE_HALF,)
+_ROUTES = (DENSE,) + EXCHANGES + (DENSE_HALF, DENSE_INT8)
 FINGERPRINT_LENGTH = len(_FIELDS) + 1 + _MAX_DIMS
 
 

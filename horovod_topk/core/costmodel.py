@@ -94,8 +94,11 @@ BANDWIDTH_EFFICIENCY = 0.75
 #: many bytes.
 FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 #: "dense": Horovod's allreduce of the gradients; "fp16": hvd.Compression.fp16 (2-byte elements on the wire);
-#: "topk": TopKEF with the TopKConfig given (its ``exchange`` says allgather, sparse_allreduce or auto).
-METHODS = ("dense", "fp16", "topk")
+#: "int8": ratio="auto"'s int8 route (1 byte an element, core.exchange.DENSE_INT8); "topk": TopKEF with the
+#: TopKConfig given (its ``exchange`` says allgather, sparse_allreduce or auto).
+METHODS = ("dense", "fp16", "int8", "topk")
+#: Bytes of one element on the wire of each dense method.
+DENSE_ITEMSIZES = {"fp16": 2, "int8": 1}
 #: Bytes of one value on the wire for each TopKConfig.value_dtype (None: the gradient's own).
 VALUE_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 
@@ -191,8 +194,8 @@ def route_tensors(
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if world_size < 1:
         raise ValueError(f"workers must be >= 1, got {world_size}")
-    if method in ("dense", "fp16"):
-        itemsize = 2 if method == "fp16" else grad_itemsize
+    if method in ("dense", "fp16", "int8"):
+        itemsize = DENSE_ITEMSIZES.get(method, grad_itemsize)
         return [TensorRoute(name, numel, DENSE, None, dense_nbytes(world_size, numel, itemsize), method)
                 for name, numel in tensors]
     config = config or TopKConfig()
@@ -219,7 +222,7 @@ def collectives_per_step(routes: Iterable[TensorRoute], method: str, world_size:
     if world_size <= 1:
         return 0
     routes = list(routes)
-    itemsize = 2 if method == "fp16" else grad_itemsize
+    itemsize = DENSE_ITEMSIZES.get(method, grad_itemsize)
     dense_bytes = sum(r.numel * itemsize for r in routes if r.route == DENSE)
     has_dense = any(r.route == DENSE for r in routes)
     fused = 0

@@ -63,8 +63,11 @@ __all__ = [
     "SPARSE_ALLREDUCE",
     "DENSE",
     "DENSE_HALF",
+    "DENSE_INT8",
     "FLOAT16_MAX",
     "half_limit",
+    "int8_lane_limit",
+    "int8_word_bias",
     "float16_at_most",
     "HASH_MULTIPLIER",
     "CAPACITY_SLACK",
@@ -89,6 +92,10 @@ DENSE = "dense"
 #: Dense, the values in float16 (ratio="auto"'s "fp16" choice: Horovod's fp16 compression with error feedback; the
 #: rounding and anything beyond float16's range stay in the residual). A dense route, not an exchange.
 DENSE_HALF = "dense_fp16"
+#: Dense, each value an integer of one byte on a grid every rank shares (ratio="auto"'s "int8" choice): a quarter
+#: of dense's bytes, summed by an allreduce of int32 words that each carry four values (int8_lane_limit); the
+#: rounding and what the grid's range cuts stay in the residual. A dense route, not an exchange.
+DENSE_INT8 = "dense_int8"
 #: The largest finite float16.
 FLOAT16_MAX = 65504.0
 #: The values TopKConfig.exchange accepts.
@@ -103,7 +110,7 @@ HASH_MULTIPLIER = 2654435761
 CAPACITY_SLACK = 1.1
 #: Collectives Horovod launches for one tensor's step under each exchange (the phase-2 allgather of the sparse
 #: allreduce is a second one, started only when phase 1 has finished).
-COLLECTIVES = {DENSE: 1, DENSE_HALF: 1, ALLGATHER: 1, SPARSE_ALLREDUCE: 2}
+COLLECTIVES = {DENSE: 1, DENSE_HALF: 1, DENSE_INT8: 1, ALLGATHER: 1, SPARSE_ALLREDUCE: 2}
 #: What one more collective costs, counted in bytes (its fixed time x the link's rate), when "auto" weighs an
 #: exchange that launches more collectives: 128 KiB is ~1 ms at 1 Gbit/s or ~0.1 ms at 10 Gbit/s. A collective's
 #: fixed cost is its latency plus, for a chained second phase, the wait for another turn of Horovod's background
@@ -294,6 +301,23 @@ def half_limit(world_size: int) -> float:
     most 2^-11 of it, so even then the sum stays within 65504."""
     world_size = max(int(world_size), 1)
     return float16_at_most(FLOAT16_MAX / (world_size * (1.0 + 2.0 ** -11) ** (world_size - 1)))
+
+
+def int8_lane_limit(world_size: int) -> int:
+    """The largest integer one rank may send on the int8 route (DENSE_INT8): L = 127 // P, so that the sum of P
+    ranks' integers, at most 127 in magnitude, is a signed byte. Four values travel in one int32 word as
+    q0 + 2^8 q1 + 2^16 q2 + 2^24 q3 (each |q| <= L); the word sum over the ranks is at most 127 x 16843009 <
+    2^31 in magnitude, so the int32 allreduce never overflows and each byte's sum is read back exactly
+    (int8_word_bias). 0 where P ranks cannot share a byte (P > 127): the route is not offered there. Horovod sums
+    neither int8 nor int16 tensors (its PyTorch front end refuses them); int32 every backend sums."""
+    return 127 // max(int(world_size), 1)
+
+
+def int8_word_bias(limit: int) -> int:
+    """What a word of four bytes each holding q + L (0 ... 2L) exceeds the word of the four q's by:
+    L (1 + 2^8 + 2^16 + 2^24). A rank packs its biased bytes, views them as int32 and subtracts this; after the sum
+    the receiver adds P times it back in int64, where the four bytes hold each value's sum plus P L."""
+    return int(limit) * 0x01010101
 
 
 def float16_at_most(value: float) -> float:

@@ -7,7 +7,7 @@ with a prefix of its own so it never collides with Horovod's dense allreduce of 
 from __future__ import annotations
 
 __all__ = ["ALLGATHER_PREFIX", "allgather_name", "alltoall_name", "owners_allgather_name", "half_allreduce_name",
-           "group_member_name"]
+           "int8_allreduce_name", "group_member_name"]
 
 ALLGATHER_PREFIX = "topk."
 
@@ -31,6 +31,11 @@ def owners_allgather_name(tensor_name: str) -> str:
 def half_allreduce_name(tensor_name: str) -> str:
     """The float16 allreduce of ``tensor_name`` (ratio="auto"'s fp16, core.exchange.DENSE_HALF)."""
     return "topk-fp16." + tensor_name
+
+
+def int8_allreduce_name(tensor_name: str) -> str:
+    """The int32-word allreduce of ``tensor_name`` on the int8 route (ratio="auto"'s int8, core.exchange.DENSE_INT8)."""
+    return "topk-int8." + tensor_name
 
 
 def group_member_name(group_name: str, position: int) -> str:

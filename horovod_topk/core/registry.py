@@ -41,6 +41,10 @@ class TensorRecord(Generic[R]):
     #: Running level of the gradient norm, and how many steps the gradient was capped (TopKConfig.spike_guard).
     gradient_level: float = 0.0
     guarded_steps: int = 0
+    #: The int8 route's grid reference (core.exchange.DENSE_INT8): the largest magnitude of this tensor's last
+    #: reduced result, the same on every rank; 0 when there is none (the next int8 step goes fp16 and sets it).
+    #: Saved, so that a resumed job sends the same words.
+    int8_reference: float = 0.0
     #: Seconds of host time spent compressing this tensor (telemetry; not saved). On a GPU this is the time to
     #: launch the work, not to run it: timing it would need a host sync.
     compress_seconds: float = 0.0
@@ -120,6 +124,7 @@ class ErrorFeedbackRegistry(Generic[R]):
                     "world_size": rec.world_size,
                     "gradient_level": rec.gradient_level,
                     "guarded_steps": rec.guarded_steps,
+                    "int8_reference": rec.int8_reference,
                 }
                 for name, rec in sorted(self.records.items())
             },
@@ -144,5 +149,6 @@ class ErrorFeedbackRegistry(Generic[R]):
                 world_size=None if entry.get("world_size") is None else int(entry["world_size"]),
                 gradient_level=float(entry.get("gradient_level", 0.0)),
                 guarded_steps=int(entry.get("guarded_steps", 0)),
+                int8_reference=float(entry.get("int8_reference", 0.0)),
             )
         self.records = records

@@ -27,15 +27,17 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
+from ..core.autodensity import INT8
 from ..core.buckets import BucketTable
-from ..core.exchange import ALLGATHER, DENSE_HALF
-from ..core.naming import half_allreduce_name
+from ..core.exchange import ALLGATHER, DENSE_HALF, DENSE_INT8
+from ..core.naming import half_allreduce_name, int8_allreduce_name
 from ..core.update_mode import update_tensor_name
 from . import auto_density
 from .buckets import BucketedExchange, UnselectedMember, bucket_member_names
 from .exchange import ExchangeRequest
 from .gradient_route import GRADIENT_ROUTE, LOCAL_ROUTE
 from .half_route import HalfHandle
+from .int8_route import Int8Handle, to_int8
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
 from .state import TorchResiduals
@@ -139,6 +141,9 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
     (residuals are keyed by parameter name, prefixed per optimizer where names overlap; see core.scopes).
     ``TopKEF(log_every=N, summary_writer=w)`` reports every N steps (core.telemetry).
     """
+
+    #: ratio="auto" may choose int8 here (torch.int8_route); on CPU gradients only (see _auto_begin).
+    _sends_int8 = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -261,14 +266,26 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
-        if plan.exchange == DENSE_HALF:  # ratio="auto"'s fp16: its own float16 allreduce (torch.half_route)
-            pending.route = "fp16"
+        if plan.exchange in (DENSE_HALF, DENSE_INT8):  # ratio="auto"'s fp16 or int8: its own allreduce
             if self._bucketed.covers(name):  # it travels on its own; its bucket-mates need not wait for it
                 self._bucketed.arrive(name, None, plan.exchange, allgather_handle)
             flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            keep = self._keep_int8_reference(record) if self.auto is not None and self.auto.int8 else None
+            if plan.exchange == DENSE_INT8 and record.int8_reference > 0.0:  # torch.int8_route
+                pending.route = "int8"
+                residual, _ = self._residual_for(name, record, flat, world_size, op_name)
+                words, nonfinite, delta = to_int8(flat, residual, scale, world_size, record.int8_reference)
+                record.nonfinite_steps += nonfinite
+                record.bytes_sent += 4 * words.numel()
+                record.exchange = DENSE_INT8
+                handle = allreduce_async(words, name=int8_allreduce_name(name), op=Sum, process_set=process_set)
+                assert keep is not None
+                return Int8Handle(handle, synchronize, flat, tuple(tensor.shape), world_size, delta, keep)
+            # fp16 (torch.half_route); on the int8 route also its first step, whose result gives the grid
+            pending.route = "fp16"
             half = self._send_half(name, record, flat, scale, world_size, op_name)
             handle = allreduce_async(half, name=half_allreduce_name(name), op=Sum, process_set=process_set)
-            return HalfHandle(handle, synchronize, flat, tuple(tensor.shape))
+            return HalfHandle(handle, synchronize, flat, tuple(tensor.shape), keep)
         if not plan.compressed:
             pending.route = "dense"
             record.bytes_sent += dense_nbytes
@@ -312,11 +329,25 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         """ratio="auto": at the first tensor of a step whose decision is due, measure (torch.auto_density) and
         decide, before this tensor is planned; every rank reaches the same step's first tensor."""
         assert self.auto is not None
+        if self.auto.int8 and tensor.device.type != "cpu":
+            # int8's grid reference is read on the host (torch.int8_route): on a GPU a sync per tensor and step
+            self.auto.int8 = False
+            if self.auto.ratio == INT8:  # a checkpoint's int8: dense until a decision after a fresh window
+                self.auto.ratio = None
+                self.auto.decide_soon()
         if not self.auto.begin(step, time.perf_counter()):
             return
         measurement = auto_density.measure(self.auto, self._auto_tensors(), process_set, tensor.device,
                                            self.config.selector)
         self._auto_decide(measurement, process_set.rank())
+
+    @staticmethod
+    def _keep_int8_reference(record: Any) -> Callable[[float], None]:
+        """What a reduced fp16 or int8 result hands its largest magnitude to: the record's int8 grid reference
+        (torch.int8_route), the same on every rank."""
+        def keep(reference: float) -> None:
+            record.int8_reference = reference
+        return keep
 
     def _forget_agreements(self) -> None:
         self._held_verified.clear()

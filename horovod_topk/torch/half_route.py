@@ -20,6 +20,7 @@ collective.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
@@ -59,20 +60,26 @@ def to_half(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size
 
 class HalfHandle:
     """Handle of one tensor's float16 allreduce (Horovod's optimizer accepts a callable in ``synchronize()``):
-    calling it waits and writes the sum over ``out`` (the gradient's own buffer), which it returns in ``shape``."""
+    calling it waits and writes the sum over ``out`` (the gradient's own buffer), which it returns in ``shape``;
+    ``keep``, where given, gets the sum's largest magnitude (0 if it is not finite): the int8 route's grid
+    reference (torch.int8_route), the same on every rank."""
 
     def __init__(self, handle: Any, wait: Callable[[Any], torch.Tensor], out: torch.Tensor,
-                 shape: Tuple[int, ...]) -> None:
+                 shape: Tuple[int, ...], keep: Optional[Callable[[float], None]] = None) -> None:
         self._handle = handle
         self._wait = wait
         self._out = out
         self._shape = shape
+        self._keep = keep
         self._result: Any = None
 
     def __call__(self) -> torch.Tensor:
         if self._result is None:
             summed = self._wait(self._handle)
             self._out.copy_(summed.view(self._out.shape))
+            if self._keep is not None:
+                largest = float(summed.abs().max()) if summed.numel() else 0.0
+                self._keep(largest if math.isfinite(largest) else 0.0)
             self._result = self._out.view(self._shape)
             self._handle = None
         return self._result

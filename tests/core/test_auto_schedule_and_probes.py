@@ -43,7 +43,7 @@ def test_with_fp16_offered_a_small_tensor_goes_in_float16_and_only_a_floating_on
     config = TopKConfig(ratio="auto", min_numel=4096)
     small = auto_schedule("b", 1000, True, config, world_size=2, value_itemsize=4, grad_itemsize=4, half=True)
     assert small is not None and small.routes == ("dense", "dense_fp16") and set(small.count) == {0}
-    assert [small.routes[p] for p in small.phase] == ["dense", "dense_fp16"] + ["dense"] * len(DENSITIES)
+    assert [small.routes[p] for p in small.phase] == ["dense", "dense_fp16"] + ["dense"] * len(DENSITIES) + ["dense"]  # int8: not sent by a traced graph
     assert auto_schedule("i", 1 << 20, False, config, world_size=2, value_itemsize=4, grad_itemsize=4,
                          half=True) is None
     assert auto_schedule("h", 1000, True, config, world_size=2, value_itemsize=2, grad_itemsize=2, half=True) is None

@@ -107,6 +107,7 @@ def test_error_feedback_stays_exact_through_every_change_of_density(monkeypatch)
     decided = script(monkeypatch, auto_density, lambda step: measured.get(step, much_slower_link))
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=CHECK_STEPS)
     compressor.auto.half = False  # the script's sequence is dense <-> sparse; fp16 has its own test below
+    compressor.auto.int8 = False  # int8 has its own tests (test_torch_auto_int8.py)
     sent, ratios = {}, []
 
     def record(model):
@@ -154,6 +155,7 @@ def test_update_mode_follows_the_density_and_keeps_parameters_identical(monkeypa
                lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=CHECK_STEPS if half else 5)
     compressor.auto.half = half
+    compressor.auto.int8 = False  # int8 has its own tests (test_torch_auto_int8.py)
     ratios = []
     params, _ = run(compressor, range(FOURTH_DECISION if half else THIRD_DECISION), optimizer="adam",
                     on_step=lambda step, m, o, c, s: ratios.append(c.auto.ratio))
@@ -174,6 +176,7 @@ def test_fp16_keeps_error_feedback_exact_and_parameters_identical_through_its_ch
     links = {FIRST_DECISION: slow_link, SECOND_DECISION: sparse_slower_than_dense}
     decided = script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
     compressor = TopKEF(ratio="auto", min_numel=256, auto_every=CHECK_STEPS)
+    compressor.auto.int8 = False  # int8 has its own tests (test_torch_auto_int8.py)
     sent, bound, ratios, step_bytes = {}, {}, [], [0]
     world = hvd.size()
 

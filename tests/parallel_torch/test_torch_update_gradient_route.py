@@ -84,6 +84,7 @@ def test_entering_averages_the_moments_and_applies_the_mean_update_residual(monk
     script(monkeypatch, auto_density, lambda step: slow_link if step < SECOND_DECISION else sparse_slower_than_dense)
     compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=CHECK_STEPS)
     compressor.auto.half = False
+    compressor.auto.int8 = False  # int8 has its own tests (test_torch_auto_int8.py)
     seen, routes = {}, []
 
     def before(step, model, opt):
@@ -128,6 +129,7 @@ def test_leaving_fp16_puts_its_residual_into_the_ranks_own_gradient(monkeypatch)
     script(monkeypatch, auto_density, lambda step: links.get(step, fast_link))
     compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=CHECK_STEPS)
     compressor.auto.half = True
+    compressor.auto.int8 = False  # int8 has its own tests (test_torch_auto_int8.py)
     raw, seen, ratios, routes = {}, {}, [], []
 
     def before(step, model, opt):
@@ -171,10 +173,12 @@ def test_a_checkpoint_resumes_exactly(monkeypatch, links, save_at, shared):
 
     compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=CHECK_STEPS)
     compressor.auto.half = True
+    compressor.auto.int8 = False  # int8 has its own tests (test_torch_auto_int8.py)
     straight, _ = train(compressor, range(THIRD_DECISION), after=keep)
     assert saved["topk"]["auto"]["shared_scopes"] == shared
     resumed_compressor = TopKEF(ratio="auto", min_numel=256, target="update", auto_every=CHECK_STEPS)
     resumed_compressor.auto.half = True
+    resumed_compressor.auto.int8 = False  # int8 has its own tests (test_torch_auto_int8.py)
     resumed, _ = train(resumed_compressor, range(save_at + 1, THIRD_DECISION), state=saved)
     assert differs(params_of(straight), params_of(resumed)) == []
 
