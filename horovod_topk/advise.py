@@ -38,7 +38,7 @@ from horovod_topk.core.costmodel import (
     predict,
     with_exchange,
 )
-from horovod_topk.core.exchange import ALLGATHER, AUTO, DENSE, EXCHANGES, SPARSE_ALLREDUCE
+from horovod_topk.core.exchange import ALLGATHER, AUTO, DENSE, EXCHANGES, SPARSE_ALLREDUCE, int8_offered
 
 Tensors = List[Tuple[str, int]]
 
@@ -218,6 +218,8 @@ def _rate(bps: float) -> str:
 def _method_name(method: str) -> str:
     if method == "dense":
         return "dense allreduce"
+    if method == "int8":
+        return "int8 (ratio=\"auto\", PyTorch)"
     return "fp16 (Horovod)"
 
 
@@ -241,12 +243,15 @@ def _auto_summary(pred: Prediction, config: TopKConfig) -> str:
 
 def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, config: TopKConfig, *,
            grad_itemsize: int = 4, overlap: float = 0.0, t_compress_s: float = 0.0,
-           sparse_available: bool = True) -> Tuple[List[Tuple[str, Optional[Prediction], str]], List[str]]:
-    """The rows of the table ((name, prediction or None, why not)) and the lines under it."""
+           sparse_available: bool = True, int8_available: bool = True
+           ) -> Tuple[List[Tuple[str, Optional[Prediction], str]], List[str]]:
+    """The rows of the table ((name, prediction or None, why not)) and the lines under it. ``int8_available``:
+    the front end sends ratio="auto"'s int8 (PyTorch through Horovod, on CPU gradients)."""
     kwargs = dict(grad_itemsize=grad_itemsize, overlap=overlap, t_compress_s=t_compress_s,
                   sparse_available=sparse_available)
     rows: List[Tuple[str, Optional[Prediction], str]] = []
-    for method in ("dense", "fp16"):
+    held = ("dense", "fp16", "int8") if int8_available and int8_offered(workers) else ("dense", "fp16")
+    for method in held:
         rows.append((_method_name(method), predict(method, tensors, workers, link, t_compute_s, **kwargs),
                      ""))
     auto = None
@@ -267,9 +272,9 @@ def advise(tensors: Tensors, workers: int, link: Link, t_compute_s: float, confi
     notes = []
     if auto is not None:
         notes.append(_auto_summary(auto, config))
-        best_dense = min((p for _, p, _ in rows[:2]), key=lambda p: p.t_step_s)
+        best_dense, label = min(((p, method) for (_, p, _), method in zip(rows, held)), key=lambda pm: pm[0].t_step_s)
+        label = "dense allreduce" if label == "dense" else label
         gain = best_dense.t_step_s / auto.t_step_s
-        label = "dense allreduce" if best_dense is rows[0][1] else "fp16"
         if gain > 1.0:
             notes.append(f"pays: TopKEF auto {_ms(auto.t_step_s)} ms per step against {_ms(best_dense.t_step_s)} ms "
                          f"for {label} ({gain:.2f}x faster, E {auto.efficiency:.0%} vs {best_dense.efficiency:.0%})")
@@ -463,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-bits", type=int, choices=INDEX_BITS, default=32, help="TopKConfig.index_bits")
     p.add_argument("--no-dense-fallback", action="store_true", help="TopKConfig.dense_fallback=False")
     p.add_argument("--framework", choices=("torch", "tensorflow"), default="torch",
-                   help="both have the same exchanges and choose them alike (kept for scripts that pass it)")
+                   help="both have the same exchanges and choose them alike; ratio=\"auto\"'s int8 (a row of the "
+                        "table) is PyTorch's only")
     return p
 
 
@@ -510,7 +516,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = replace(config, collective_latency_bytes=latency_bytes(link))
     try:
         rows, notes = advise(tensors, args.workers, link, args.compute, config, grad_itemsize=args.grad_bytes,
-                             overlap=args.overlap, t_compress_s=args.compress_time, sparse_available=sparse_available)
+                             overlap=args.overlap, t_compress_s=args.compress_time, sparse_available=sparse_available,
+                             int8_available=args.framework == "torch")
     except ValueError as e:
         parser.error(str(e))
     print(f"{what}: {len(tensors)} tensors, {sum(n for _, n in tensors):,} parameters, {args.grad_bytes}-byte "

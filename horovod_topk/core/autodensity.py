@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .config import TopKConfig
 from .costmodel import Link, collectives_per_step, comm_time, route_tensors
-from .exchange import COLLECTIVES, DENSE, DENSE_HALF, DENSE_INT8, SPARSE_ALLREDUCE, int8_lane_limit
+from .exchange import COLLECTIVES, DENSE, DENSE_HALF, DENSE_INT8, SPARSE_ALLREDUCE, int8_offered
 from .policy import RouteSchedule, TensorPlan, plan_tensor, route_schedule
 
 __all__ = [
@@ -93,8 +93,8 @@ HALF = "fp16"
 #: Every tensor dense with each value one byte on a grid the ranks share (core.exchange.DENSE_INT8): a quarter of
 #: dense's bytes. Its rounding goes to the residual as fp16's does, and the simulator's screen found dense's loss at
 #: dense's steps on both language models (docs/auto-density.md), so it is priced at dense's steps like fp16.
-#: Chosen where the front end sends it (AutoDensity.int8) and P ranks' integers fit a byte; it goes between fp16
-#: and the densities.
+#: Chosen where the front end sends it (AutoDensity.int8) and core.exchange.int8_offered (up to 8 workers); it
+#: goes between fp16 and the densities.
 INT8 = "int8"
 #: What auto may have in force: None (dense), HALF, INT8, or one of DENSITIES.
 Density = Union[None, str, float]
@@ -369,8 +369,8 @@ def choose_density(
     abandoned: Sequence[str] = (),
 ) -> Choice:
     """The density for the next steps (None: dense; HALF: dense in float16, a candidate only where ``half``; INT8:
-    dense in bytes, only where ``int8`` and P ranks' integers fit a byte). Pure: every rank computes it from the
-    same numbers.
+    dense in bytes, only where ``int8`` and core.exchange.int8_offered at P workers). Pure: every rank computes it
+    from the same numbers.
 
     Time to the target is step time x steps_factor (``config.sparsity_cost``; 0: step time alone). The largest
     density (dense first) whose exposed communication fits ``config.budget`` of the step, unless a denser one is
@@ -395,7 +395,7 @@ def choose_density(
     steps, exposed, _ = predict_steps(tensors, config, m, compute_s=m.compute_s if compute_s is None else compute_s,
                                       hidden_s=hidden_s, offset_s=offset_s, grad_itemsize=grad_itemsize,
                                       half_offset_s=half_offset_s, int8_offset_s=int8_offset_s)
-    offered = {None: True, HALF: half, INT8: int8 and int8_lane_limit(m.world_size) >= 1}
+    offered = {None: True, HALF: half, INT8: int8 and int8_offered(m.world_size)}
     if not offered[INT8]:  # predicted for no one: kept out of the telemetry too
         for table in (steps, exposed):
             table.pop(INT8, None)

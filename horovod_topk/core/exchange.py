@@ -68,6 +68,8 @@ __all__ = [
     "half_limit",
     "int8_lane_limit",
     "int8_word_bias",
+    "int8_offered",
+    "INT8_MIN_LIMIT",
     "float16_at_most",
     "HASH_MULTIPLIER",
     "CAPACITY_SLACK",
@@ -311,6 +313,17 @@ def int8_lane_limit(world_size: int) -> int:
     (int8_word_bias). 0 where P ranks cannot share a byte (P > 127): the route is not offered there. Horovod sums
     neither int8 nor int16 tensors (its PyTorch front end refuses them); int32 every backend sums."""
     return 127 // max(int(world_size), 1)
+
+
+#: The fewest grid steps per sign a rank must have for ratio="auto" to offer int8: 15, i.e. up to 8 workers, where
+#: the simulator's screen found dense's loss (4 workers, L = 31; 8 workers, L = 15: docs/auto-density.md). More
+#: workers make the grid coarser (16: L = 7; 64: L = 1, a sign) and are not screened; auto does not offer int8 there.
+INT8_MIN_LIMIT = 15
+
+
+def int8_offered(world_size: int) -> bool:
+    """Whether ratio="auto" may send int8 among ``world_size`` workers (INT8_MIN_LIMIT)."""
+    return int8_lane_limit(world_size) >= INT8_MIN_LIMIT
 
 
 def int8_word_bias(limit: int) -> int:

@@ -434,3 +434,47 @@ def test_held_schedule_keeps_dense_and_fp16_branches_only():
     assert set(held.count) == {0}
     no_half = auto_schedule("w", 65536, True, config, world_size=4, value_itemsize=4, grad_itemsize=4, half=False)
     assert held_schedule(no_half).routes == (DENSE,)
+
+
+def test_int8_is_chosen_where_it_is_soonest_and_only_where_offered():
+    """dense's step mostly exposed communication, sparsity costing steps: int8 (a quarter of the bytes, dense's
+    steps) is sooner than fp16 and every density, so a front end that sends it takes it; one that does not, or
+    more workers than int8 is offered to (core.exchange.int8_offered), takes fp16; a fast link stays dense."""
+    from horovod_topk.core.autodensity import INT8
+
+    m = link(2.4e9, compute=1.0, select=2e-9)
+    with_int8 = choose_density(TENSORS, AUTO, m, current=None, first=True, half=True, int8=True)
+    times = with_int8.to_target_s
+    assert with_int8.ratio == INT8 and with_int8.label == "int8", with_int8.reason
+    assert times["int8"] < times["fp16"] < times["dense"] and times["int8"] <= min(times.values()) + 1e-12
+    assert with_int8.predicted_s["int8"] - 1.0 == pytest.approx((with_int8.predicted_s["fp16"] - 1.0) / 2, rel=0.01)
+    assert choose_density(TENSORS, AUTO, m, current=None, first=True, half=True).ratio == HALF
+    many = link(2.4e9, compute=1.0, select=2e-9, world_size=16)
+    assert choose_density(TENSORS, AUTO, many, current=None, first=True, half=True, int8=True).ratio != INT8
+    assert "int8" not in choose_density(TENSORS, AUTO, many, current=None, first=True, int8=True).predicted_s
+    assert choose_density(TENSORS, AUTO, link(1e12), current=None, first=True, half=True, int8=True).ratio is None
+
+
+def test_an_int8_window_measures_its_own_offset_and_round_trips():
+    from horovod_topk.core.autodensity import INT8
+
+    auto = AutoDensity(AUTO, half=True, int8=True)
+    auto.step = SETTLE_STEPS + WINDOW_STEPS
+    raw = predict_steps(TENSORS, AUTO, link(2.4e9, compute=1.0), compute_s=0.0, hidden_s=0.0, offset_s=0.0)[0]
+    dense_step = 1.0 + raw["dense"]
+    assert auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step)).ratio == INT8
+    assert auto.holds_dense and auto.effective_config() is None
+    assert auto.held_plan(1000, True, 4).exchange == "dense_int8" and auto.held_route == "dense_int8"
+    assert auto.held_plan(1000, True, 1).exchange == "dense" and auto.held_plan(1000, False, 8).exchange == "dense"
+    assert "-> int8" in auto.summary_line()
+    auto.step = auto.next_decision  # the int8 window measured 2 s slower than predicted: dense or fp16 instead
+    back = auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=dense_step + 2.0))
+    assert auto.int8_offset_s == pytest.approx(dense_step + 2.0 - (1.0 + raw["int8"]))
+    assert back.ratio != INT8 and auto.half_offset_s == 0.0 and auto.offset_s == 0.0
+    saved = {**auto.state_dict(), "ratio": INT8}
+    same = AutoDensity(AUTO, half=True, int8=True)
+    same.load_state_dict(saved)
+    assert same.ratio == INT8 and same.state_dict() == saved
+    other = AutoDensity(AUTO, half=True)  # a front end without int8: dense, and a fresh window
+    other.load_state_dict(saved)
+    assert other.ratio is None and other.next_decision == other.step + 1 + SETTLE_STEPS + WINDOW_STEPS
