@@ -19,6 +19,9 @@ Without a previous result (the tensor's first step on this route after a dense s
 reset) or with one that was all zero or not finite, the front end sends the tensor on the fp16 route instead
 (torch.half_route) and takes M from that result. On the CPU M is read on the host for free; on a GPU it would be
 a host synchronisation per tensor and step, so ratio="auto" offers int8 only to CPU gradients.
+
+On the CPU one pass of the fused kernel each way (csrc/int8_route.cpp); without a compiler the torch operations
+below, which give the same bits.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from ..core.exchange import int8_lane_limit, int8_word_bias
+from . import kernels
 
 __all__ = ["SPREAD", "int8_words", "to_int8", "from_int8", "Int8Handle"]
 
@@ -59,14 +63,22 @@ def to_int8(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size
                          f"{reference}")
     delta = SPREAD * reference / limit
     numel = flat.numel()
+    words = torch.empty(int8_words(numel), dtype=torch.int32, device=flat.device)
+    packed = words[:-CONTROL_WORDS].view(torch.uint8)
+    module = kernels.load() if flat.device.type == "cpu" and flat.is_contiguous() else None
+    if module is not None and flat.dtype in (torch.float32, torch.float64) and residual.dtype in (
+            torch.float32, torch.float64) and residual.dtype.itemsize >= flat.dtype.itemsize:
+        packed[numel:].fill_(limit)  # padding: value 0
+        bad = module.to_int8(flat.reshape(-1), residual, scale / delta, delta / scale, limit, packed)
+        words[:-CONTROL_WORDS].sub_(int8_word_bias(limit))
+        words[-1] = bad
+        return words, bad, delta
     acc = flat.reshape(-1).to(residual.dtype) + residual
     finite = torch.isfinite(acc)
     bad = int(not bool(finite.all()))
     steps = torch.round(acc * (scale / delta)).clamp_(-limit, limit)
     steps = torch.where(finite, steps, steps.new_zeros(()))
     residual.copy_(torch.where(finite, acc - steps * (delta / scale), residual))
-    words = torch.empty(int8_words(numel), dtype=torch.int32, device=flat.device)
-    packed = words[:-CONTROL_WORDS].view(torch.uint8)
     packed[numel:].fill_(limit)  # padding: value 0
     packed[:numel].copy_(steps.add_(limit))
     words[:-CONTROL_WORDS].sub_(int8_word_bias(limit))
@@ -79,12 +91,16 @@ def from_int8(summed: torch.Tensor, numel: int, world_size: int, delta: float, o
     """The reduced tensor from the summed ``summed`` words, written into ``out`` (flat, ``numel`` values), and the
     reference of the next step (its largest magnitude; 0 where it is not finite: that step goes fp16)."""
     limit = int8_lane_limit(world_size)
-    values = summed[:-CONTROL_WORDS].to(torch.int64).add_(world_size * int8_word_bias(limit))
-    lanes = values.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)[:numel]
-    out.copy_(lanes.to(out.dtype).sub_(world_size * limit).mul_(delta))
     if int(summed[-1]) > 0:  # a rank's gradient was not finite: the tensor is, on every rank
         out.fill_(float("nan"))
         return out, 0.0
+    module = kernels.load() if summed.device.type == "cpu" else None
+    if module is not None and out.dtype in (torch.float32, torch.float64) and out.is_contiguous():
+        largest = module.from_int8(summed, numel, world_size, limit, delta, out)
+        return out, float(largest) * delta
+    values = summed[:-CONTROL_WORDS].to(torch.int64).add_(world_size * int8_word_bias(limit))
+    lanes = values.view(torch.uint8).view(-1, 8)[:, :4].reshape(-1)[:numel]
+    out.copy_(lanes.to(out.dtype).sub_(world_size * limit).mul_(delta))
     return out, float(lanes.to(torch.int16).sub_(world_size * limit).abs_().max()) * delta if numel else 0.0
 
 

@@ -25,7 +25,7 @@ __all__ = ["load", "load_in_background", "remove_stale_lock"]
 STALE_LOCK_SECONDS = 15 * 60
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("topk_kernels.cpp", "sparse_rounds.cpp", "half_route.cpp")]
+            for name in ("topk_kernels.cpp", "sparse_rounds.cpp", "half_route.cpp", "int8_route.cpp")]
 _NAME = "horovod_topk_kernels"
 _module: Optional[ModuleType] = None
 _failed = False

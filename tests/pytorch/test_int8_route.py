@@ -77,3 +77,33 @@ def test_a_grid_without_a_reference_is_refused():
         to_int8(torch.ones(4), torch.zeros(4), 0.5, 2, 0.0)
     with pytest.raises(ValueError, match="no int8 grid"):
         to_int8(torch.ones(4), torch.zeros(4), 0.5, 128, 1.0)
+
+
+@pytest.mark.parametrize("grad_dtype, residual_dtype", [(torch.float32, torch.float32),
+                                                        (torch.float64, torch.float64),
+                                                        (torch.float32, torch.float64)])
+def test_the_fused_kernel_and_the_torch_operations_give_the_same_bits(monkeypatch, grad_dtype, residual_dtype):
+    from horovod_topk.torch import kernels
+
+    if kernels.load() is None:
+        pytest.skip("no C++ compiler: the torch operations are the only path")
+    torch.manual_seed(0)
+    world_size, numel = 4, 10_003
+    grad = (torch.randn(numel) * torch.logspace(-6, 2, numel)).to(grad_dtype)
+    grad[7] = float("nan")
+    residual = (torch.randn(numel) * 1e-3).to(residual_dtype)
+    results = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(kernels, "load", lambda: None)
+            r = residual.clone()
+            words, bad, delta = to_int8(grad, r, 0.25, world_size, 3.0)
+            summed = words * world_size  # every rank sending the same words: a valid sum
+            summed[-1] = 0
+            out = torch.empty(numel, dtype=grad_dtype)
+            result, reference = from_int8(summed, numel, world_size, delta, out)
+            results.append((words, bad, r, result.clone(), reference))
+    (w1, b1, r1, o1, ref1), (w2, b2, r2, o2, ref2) = results
+    assert torch.equal(w1, w2) and b1 == b2 == 1 and ref1 == ref2 > 0
+    assert torch.equal(r1, r2) and torch.equal(o1, o2)

@@ -724,6 +724,7 @@ void decompress_group(torch::Tensor rows, std::vector<int64_t> ks, std::vector<i
 // The sparse allreduce's kernels (sparse_rounds.cpp) and the fp16 route's (half_route.cpp).
 void define_sparse_rounds(pybind11::module_& m);
 void define_half_route(pybind11::module_& m);
+void define_int8_route(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compress", &compress, "fused compensate + sampled-threshold Top-K + pack");
@@ -732,4 +733,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decompress_group", &decompress_group, "decompress for a bucket's members from the gathered rows");
   define_sparse_rounds(m);
   define_half_route(m);
+  define_int8_route(m);
 }
