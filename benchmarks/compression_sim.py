@@ -665,6 +665,9 @@ def main() -> None:
     parser.add_argument("--diagnose", action="store_true",
                         help="per compressed tensor: share of coordinates ever applied, steps between arrivals, "
                              "staleness at the end, residual norm / applied norm")
+    parser.add_argument("--min-numel", type=int, default=1024,
+                        help="tensors smaller than this go dense and exact (0: every tensor through the method, as "
+                             "ratio=\"auto\"'s fp16 and int8 send them)")
     parser.add_argument("--overrun", type=float, default=1.0,
                         help="run this many times --steps (the schedule's last rate past --steps) and print the steps "
                              "to 1.01x the final loss of dense's run of the same seed in --out, where there is one")
@@ -683,6 +686,7 @@ def main() -> None:
     tag = "" if args.weight_decay is None else f"-wd{args.weight_decay:g}"
     tag += "" if args.lr_scale is None else f"-lr{args.lr_scale:g}"
     tag += "" if args.device == "cpu" else f"-{args.device.split(':')[0]}"  # results of another device apart
+    tag += "" if args.min_numel == 1024 else f"-mn{args.min_numel}"
     overrun = "" if args.overrun == 1.0 else f"-x{args.overrun:g}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -694,7 +698,8 @@ def main() -> None:
             if path.exists():
                 r = json.loads(path.read_text())
             else:
-                r = run(task, spec, seed, args.steps, args.workers, diagnose=args.diagnose, overrun=args.overrun)
+                r = run(task, spec, seed, args.steps, args.workers, min_numel=args.min_numel, diagnose=args.diagnose,
+                        overrun=args.overrun)
                 path.write_text(json.dumps(r))
             print(f"{args.task}{tag} {args.steps} {spec:<22} seed {seed}: valid {r['final']:.4f}  bytes "
                   f"{100 * r['bytes_fraction']:.2f}% of dense  ({r['seconds']:.0f} s)", flush=True)

@@ -7,10 +7,12 @@ soonest: a link too slow for fp16 whose step still has to pay for every entry no
 - each rank rounds ``scale`` x (gradient + residual) to the nearest multiple of ``delta`` and clamps it to +-L,
   L = 127 // P (core.exchange.int8_lane_limit), so that P ranks' integers sum to a signed byte; the rounding and
   what the clamp cut stay in the rank's residual and go out on later steps (nothing is lost);
-- ``delta`` = SPREAD x M / L, where M is the largest magnitude of this tensor's reduced result on its step before
-  (the same bits on every rank: every rank holds the same result), so no collective is spent on agreeing on a
-  scale, and a grid that was too narrow widens by SPREAD on the next step (the clamped values make the result's
-  largest entry L x delta);
+- ``delta`` = SPREAD x M / (L x P), where M is the largest magnitude of this tensor's reduced result on its step
+  before (the same bits on every rank: every rank holds the same result), so no collective is spent on agreeing on
+  a scale: each rank's share of the result (its value times the reduction's scale) is sent on a grid that covers
+  +-SPREAD x M / P, i.e. for an average each rank's own value within +-SPREAD x the previous average's largest
+  entry. A grid too narrow for this step's values clamps them, the result's largest entry then is P x L x delta =
+  SPREAD x M, and the next grid is SPREAD times wider;
 - four values travel in one int32 word (Horovod sums no 8- or 16-bit integers), plus one word that counts the
   ranks whose gradient had a NaN/Inf: then every rank's result is NaN for the whole tensor, so that AMP's scaler
   (or the non-finite rule) skips the step on every rank, and no rank's residual takes the non-finite entries.
@@ -36,9 +38,9 @@ from . import kernels
 
 __all__ = ["SPREAD", "int8_words", "to_int8", "from_int8", "Int8Handle"]
 
-#: The grid covers +-SPREAD x the previous result's largest magnitude: each rank's own values spread wider than
-#: their average (the average's noise is sqrt(P) smaller). Screened on the transformer and the GRU in the
-#: simulator (benchmarks/compression_sim.py, isumavg:SPREAD; docs/auto-density.md).
+#: Each rank's grid covers +-SPREAD x the previous average's largest entry (in the rank's own units): its own
+#: values spread wider than their average (the average's noise is sqrt(P) smaller). Screened on the transformer
+#: and the GRU in the simulator (benchmarks/compression_sim.py, isumavg:SPREAD; docs/auto-density.md).
 SPREAD = 2.0
 #: Words after the values: the count of ranks with a non-finite gradient.
 CONTROL_WORDS = 1
@@ -61,7 +63,7 @@ def to_int8(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size
     if limit < 1 or scale == 0.0 or not (reference > 0.0 and math.isfinite(reference)):
         raise ValueError(f"horovod-topk: no int8 grid for {world_size} ranks, scale {scale} and reference "
                          f"{reference}")
-    delta = SPREAD * reference / limit
+    delta = SPREAD * reference / (limit * world_size)
     numel = flat.numel()
     words = torch.empty(int8_words(numel), dtype=torch.int32, device=flat.device)
     packed = words[:-CONTROL_WORDS].view(torch.uint8)
