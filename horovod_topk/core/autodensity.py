@@ -91,9 +91,9 @@ DENSITIES = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
 #: (AutoDensity.half); it goes between dense and the densities because it sends more of the gradient than any of them.
 HALF = "fp16"
 #: Every tensor dense with each value one byte on a grid the ranks share (core.exchange.DENSE_INT8): a quarter of
-#: dense's bytes. Its rounding goes to the residual as fp16's does, and the simulator's screen found dense's loss at
-#: dense's steps on both language models (docs/auto-density.md), so it is priced at dense's steps like fp16.
-#: Chosen where the front end sends it (AutoDensity.int8) and core.exchange.int8_offered (up to 8 workers); it
+#: dense's bytes. Its rounding goes to the residual as fp16's does; the transformer reached its target at fp16's
+#: steps on the test bed, the GRU at 7% more (docs/auto-density.md), so it is priced at dense's steps like fp16.
+#: Chosen where the front end sends it (AutoDensity.int8) and core.exchange.int8_offered (up to 4 workers); it
 #: goes between fp16 and the densities.
 INT8 = "int8"
 #: What auto may have in force: None (dense), HALF, INT8, or one of DENSITIES.

@@ -315,10 +315,10 @@ def int8_lane_limit(world_size: int) -> int:
     return 127 // max(int(world_size), 1)
 
 
-#: The fewest grid steps per sign a rank must have for ratio="auto" to offer int8: 15, i.e. up to 8 workers, where
-#: the simulator's screen found dense's loss (4 workers, L = 31; 8 workers, L = 15: docs/auto-density.md). More
-#: workers make the grid coarser (16: L = 7; 64: L = 1, a sign) and are not screened; auto does not offer int8 there.
-INT8_MIN_LIMIT = 15
+#: The fewest grid steps per sign a rank must have for ratio="auto" to offer int8: 31, i.e. up to 4 workers, where
+#: the simulator's screen and the test bed's runs found dense's loss (docs/auto-density.md). More workers make the
+#: grid coarser (8: L = 15; 16: L = 7; 64: L = 1, a sign); not screened, so auto does not offer int8 there.
+INT8_MIN_LIMIT = 31
 
 
 def int8_offered(world_size: int) -> bool:

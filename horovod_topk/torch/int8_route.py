@@ -40,7 +40,7 @@ __all__ = ["SPREAD", "int8_words", "to_int8", "from_int8", "Int8Handle"]
 
 #: Each rank's grid covers +-SPREAD x the previous average's largest entry (in the rank's own units): its own
 #: values spread wider than their average (the average's noise is sqrt(P) smaller). Screened on the transformer
-#: and the GRU in the simulator (benchmarks/compression_sim.py, isumavg:SPREAD; docs/auto-density.md).
+#: in the simulator at 2 and 4 (benchmarks/compression_sim.py, isumavg:SPREAD; docs/auto-density.md).
 SPREAD = 2.0
 #: Words after the values: the count of ranks with a non-finite gradient.
 CONTROL_WORDS = 1

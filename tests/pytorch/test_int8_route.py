@@ -69,7 +69,7 @@ def test_bias_and_limits():
     assert [int8_lane_limit(p) for p in (1, 2, 4, 8, 16, 64, 127, 128)] == [127, 63, 31, 15, 7, 1, 1, 0]
     assert int8_word_bias(31) == 31 * (1 + 2 ** 8 + 2 ** 16 + 2 ** 24)
     assert 127 * int8_word_bias(1) < 2 ** 31  # P ranks' word sum stays an int32
-    assert [int8_offered(p) for p in (2, 4, 8, 9, 16)] == [True, True, True, False, False]
+    assert [int8_offered(p) for p in (2, 3, 4, 5, 8, 16)] == [True, True, True, False, False, False]
 
 
 def test_a_grid_without_a_reference_is_refused():
