@@ -37,7 +37,7 @@ from .buckets import BucketedExchange, UnselectedMember, bucket_member_names
 from .exchange import ExchangeRequest
 from .gradient_route import GRADIENT_ROUTE, LOCAL_ROUTE
 from .half_route import HalfHandle
-from .int8_route import Int8Handle, to_int8
+from .int8_route import Int8Handle
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
 from .state import TorchResiduals
@@ -273,11 +273,7 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
             keep = self._keep_int8_reference(record) if self.auto is not None and self.auto.int8 else None
             if plan.exchange == DENSE_INT8 and record.int8_reference > 0.0:  # torch.int8_route
                 pending.route = "int8"
-                residual, _ = self._residual_for(name, record, flat, world_size, op_name)
-                words, nonfinite, delta = to_int8(flat, residual, scale, world_size, record.int8_reference)
-                record.nonfinite_steps += nonfinite
-                record.bytes_sent += 4 * words.numel()
-                record.exchange = DENSE_INT8
+                words, delta = self._send_int8(name, record, flat, scale, world_size, op_name)
                 handle = allreduce_async(words, name=int8_allreduce_name(name), op=Sum, process_set=process_set)
                 assert keep is not None
                 return Int8Handle(handle, synchronize, flat, tuple(tensor.shape), world_size, delta, keep)

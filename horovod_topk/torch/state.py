@@ -12,9 +12,10 @@ import torch
 
 from ..core import PayloadLayout, TensorRecord
 from ..core.policy import residual_world_factor, spike_guard_scale, tensor_payload_layout
-from ..core.exchange import DENSE_HALF
+from ..core.exchange import DENSE_HALF, DENSE_INT8
 from . import encoding, kernels, ops
 from .half_route import to_half
+from .int8_route import to_int8
 from .selection import Backend, backend_for, compress_tensor, dtype_token
 
 __all__ = ["TorchResiduals", "WIRE_DTYPES"]
@@ -133,6 +134,18 @@ class TorchResiduals:
         half, nonfinite = to_half(flat, residual, scale, world_size, out)
         self._sent_half(record, half.numel(), nonfinite)
         return half
+
+    def _send_int8(self, name: str, record: TensorRecord[torch.Tensor], flat: torch.Tensor, scale: float,
+                   world_size: int, op_name: str) -> Tuple[torch.Tensor, float]:
+        """ratio="auto"'s int8 route for one tensor this step (torch.int8_route), on the grid of the record's
+        reference (> 0): its int32 words for a sum-allreduce and the grid's step, the residual left holding what
+        the grid did not carry; counts its bytes and non-finite step."""
+        residual, _ = self._residual_for(name, record, flat, world_size, op_name)
+        words, nonfinite, delta = to_int8(flat, residual, scale, world_size, record.int8_reference)
+        record.nonfinite_steps += nonfinite
+        record.bytes_sent += 4 * words.numel()
+        record.exchange = DENSE_INT8
+        return words, delta
 
     def _sent_half(self, record: TensorRecord[torch.Tensor], numel: int, nonfinite: Any) -> None:
         """Count one fp16 step of ``record``'s tensor: 2 bytes an entry, and ``nonfinite`` (0/1 or a device
