@@ -8,8 +8,8 @@ one job, a barrier before each step, and reports each method's median step (the 
 Methods:
 
 - ``dense``: Horovod's allreduce; ``fp16``: Horovod's ``Compression.fp16``;
-- ``auto-dense``, ``auto-fp16``, ``auto-0.01``: ``TopKEF(ratio="auto")`` holding that choice for the whole run: the
-  route auto executes once it has chosen dense, fp16 or that density (its planning per tensor, its error-feedback
+- ``auto-dense``, ``auto-fp16``, ``auto-int8``, ``auto-0.01``: ``TopKEF(ratio="auto")`` holding that choice for the
+  whole run: the route auto executes once it has chosen dense, fp16, int8 or that density (its planning per tensor, its error-feedback
   pass, its step stamps), without its decisions, whose window and probes would time the other methods' steps in
   between;
 - ``topk0.01``: TopKEF at ratio 0.01, for reference.
@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-METHODS = ["dense", "fp16", "auto-dense", "auto-fp16", "auto-0.01", "topk0.01"]
+METHODS = ["dense", "fp16", "auto-dense", "auto-fp16", "auto-int8", "auto-0.01", "topk0.01"]
 
 
 def compression_for(method: str, steps: int):
     import horovod.torch as hvd
 
-    from horovod_topk.core.autodensity import HALF
+    from horovod_topk.core.autodensity import HALF, INT8
     from horovod_topk.torch import TopKEF
 
     if method in ("dense", "fp16"):
@@ -45,7 +45,8 @@ def compression_for(method: str, steps: int):
     if method.startswith("auto-"):
         compression = TopKEF(ratio="auto", target="gradient")
         held = method[len("auto-"):]
-        compression.auto.ratio = {"fp16": HALF, "dense": None}[held] if held in ("fp16", "dense") else float(held)
+        held_choices = {"fp16": HALF, "int8": INT8, "dense": None}
+        compression.auto.ratio = held_choices[held] if held in held_choices else float(held)
         compression.auto.next_decision = steps + 1  # the choice held through the whole run: no decision is due
         return compression
     return TopKEF(ratio=float(method[len("topk"):]), target="gradient")

@@ -107,3 +107,29 @@ def test_the_fused_kernel_and_the_torch_operations_give_the_same_bits(monkeypatc
     (w1, b1, r1, o1, ref1), (w2, b2, r2, o2, ref2) = results
     assert torch.equal(w1, w2) and b1 == b2 == 1 and ref1 == ref2 > 0
     assert torch.equal(r1, r2) and torch.equal(o1, o2)
+
+
+def test_ties_round_to_even_in_the_fused_kernel_as_in_torch(monkeypatch):
+    from horovod_topk.torch import kernels
+
+    if kernels.load() is None:
+        pytest.skip("no C++ compiler: the torch operations are the only path")
+    world_size, limit = 4, int8_lane_limit(4)
+    # a reference whose grid step is 2^-5: scale / delta = 8 exactly, so (k + 1/2) / 8 lands on a tie
+    reference = 2.0 ** -5 * limit * world_size / SPREAD
+    grad = (torch.arange(-limit - 2, limit + 2, dtype=torch.float32) + 0.5) / 8
+    sent = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(kernels, "load", lambda: None)
+            residual = torch.zeros_like(grad)
+            words, _, delta = to_int8(grad, residual, 0.25, world_size, reference)
+            assert delta == 2.0 ** -5
+            steps = words[:-1].add(int8_word_bias(limit)).view(torch.uint8)[:grad.numel()].to(torch.int64) - limit
+            sent.append((steps, residual))
+    (fused_steps, fused_residual), (torch_steps, torch_residual) = sent
+    assert torch.equal(fused_steps, torch_steps) and torch.equal(fused_residual, torch_residual)
+    expected = torch.round(grad * 8).clamp(-limit, limit).to(torch.int64)  # half to even: 0.5 -> 0, 1.5 -> 2
+    assert torch.equal(fused_steps, expected)
+    assert fused_steps[limit + 2].item() == 0 and fused_steps[limit + 3].item() == 2  # +0.5 and +1.5

@@ -12,22 +12,34 @@
 
 namespace {
 
+// Round half to even by the float's own rounding: adding and taking away 1.5 x 2^(mantissa bits) leaves the
+// nearest integer, ties to even, as std::nearbyint and torch.round in the default rounding mode do, for |x| below
+// 2^(mantissa bits - 1); the caller clamps x to +-L first. Unlike std::nearbyint the compiler vectorises it
+// (built without -ffast-math, which would fold the two operations away).
+template <typename R>
+inline R round_even(R x) {
+  const R magic = sizeof(R) == 4 ? static_cast<R>(12582912.0) : static_cast<R>(6755399441055744.0);
+  return (x + magic) - magic;
+}
+
+// Branch-free, so that the compiler vectorises it: a non-finite entry writes the padding byte (value 0), keeps its
+// residual and raises the flag.
 template <typename R, typename G>
 bool int8_impl(const G* g, R* r, uint8_t* out, int64_t n, R to_grid, R from_grid, R limit) {
-  bool bad = false;
+  int bad = 0;
+  const int ilimit = static_cast<int>(limit);
   for (int64_t i = 0; i < n; ++i) {
     const R acc = static_cast<R>(g[i]) + r[i];
-    if (!std::isfinite(acc)) {  // never in a residual; the control word tells every rank
-      bad = true;
-      out[i] = static_cast<uint8_t>(limit);
-      continue;
-    }
-    R q = std::nearbyint(acc * to_grid);  // round half to even, as torch.round
-    q = q > limit ? limit : (q < -limit ? -limit : q);
-    r[i] = acc - q * from_grid;
-    out[i] = static_cast<uint8_t>(static_cast<int>(q) + static_cast<int>(limit));
+    const bool finite = (acc - acc) == static_cast<R>(0);  // false for NaN and +-Inf
+    R x = acc * to_grid;
+    x = x > limit ? limit : (x < -limit ? -limit : x);  // the same as clamping after rounding: L is an integer
+    R q = round_even(x);
+    q = finite ? q : static_cast<R>(0);  // never converted from a NaN
+    r[i] = finite ? acc - q * from_grid : r[i];
+    out[i] = static_cast<uint8_t>(static_cast<int>(q) + ilimit);
+    bad |= !finite;
   }
-  return bad;
+  return bad != 0;
 }
 
 // Returns 1 when the gradient had a non-finite entry. ``out``: uint8, at least grad.numel() bytes.
@@ -69,15 +81,34 @@ int64_t from_int8(torch::Tensor summed, int64_t numel, int64_t world_size, int64
   const int32_t* w = summed.data_ptr<int32_t>();
   const int64_t bias = world_size * limit * 0x01010101LL, offset = world_size * limit;
   int64_t largest = 0;
+  // A word's bytes, once P x the bias is added (mod 2^32: every lane then holds its sum plus P L, in [0, 254],
+  // so no lane borrows from the next), are the four sums plus P L; word by word, so that the compiler vectorises.
+  const uint32_t word_bias = static_cast<uint32_t>(bias & 0xFFFFFFFFLL);
+  const int32_t off = static_cast<int32_t>(offset);
   auto read = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
     const T d = static_cast<T>(delta);
-    for (int64_t i = 0; i < numel; ++i) {
-      const int64_t word = static_cast<int64_t>(w[i >> 2]) + bias;
-      const int64_t sum = ((word >> (8 * (i & 3))) & 0xFF) - offset;
-      largest = std::max(largest, sum < 0 ? -sum : sum);
+    int32_t most = 0;
+    const int64_t whole = numel / 4;
+    for (int64_t k = 0; k < whole; ++k) {
+      const uint32_t word = static_cast<uint32_t>(w[k]) + word_bias;
+      const int32_t s0 = static_cast<int32_t>(word & 0xFFu) - off, s1 = static_cast<int32_t>((word >> 8) & 0xFFu) - off;
+      const int32_t s2 = static_cast<int32_t>((word >> 16) & 0xFFu) - off, s3 = static_cast<int32_t>(word >> 24) - off;
+      const int32_t a01 = std::max(s0 < 0 ? -s0 : s0, s1 < 0 ? -s1 : s1);
+      const int32_t a23 = std::max(s2 < 0 ? -s2 : s2, s3 < 0 ? -s3 : s3);
+      most = std::max(most, std::max(a01, a23));
+      o[4 * k] = static_cast<T>(s0) * d;
+      o[4 * k + 1] = static_cast<T>(s1) * d;
+      o[4 * k + 2] = static_cast<T>(s2) * d;
+      o[4 * k + 3] = static_cast<T>(s3) * d;
+    }
+    for (int64_t i = 4 * whole; i < numel; ++i) {
+      const uint32_t word = static_cast<uint32_t>(w[i >> 2]) + word_bias;
+      const int32_t sum = static_cast<int32_t>((word >> (8 * (i & 3))) & 0xFFu) - off;
+      most = std::max(most, sum < 0 ? -sum : sum);
       o[i] = static_cast<T>(sum) * d;
     }
+    largest = most;
   };
   if (out.scalar_type() == at::kFloat) {
     read(out.data_ptr<float>());
