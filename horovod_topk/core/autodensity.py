@@ -692,6 +692,15 @@ class AutoDensity:
         self._measure_from = self.step + SETTLE_STEPS
         self._started = None
 
+    def withdraw_int8(self) -> None:
+        """Stop offering INT8: the front end's gradients live where its grid's reference would be read on the host
+        once per tensor and step (a GPU). An INT8 in force (a checkpoint's) goes dense until a decision after a
+        fresh window."""
+        self.int8 = False
+        if self.ratio == INT8:
+            self.ratio = None
+            self.decide_soon()
+
     def decide_soon(self) -> None:
         """Measure again and decide after a fresh window (a load, or workers joined or left)."""
         self._recheck, self._last_did = False, ""  # the link (and who is on it) is probed afresh

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence, Tuple
 
-from .autodensity import dense_plan, half_plan
+from .autodensity import dense_plan, half_plan, int8_plan
 from .buckets import BucketLayout
 from .config import TopKConfig
 from .consistency import fingerprint
-from .exchange import ALLGATHER, DENSE, DENSE_HALF
+from .exchange import ALLGATHER, DENSE, DENSE_HALF, DENSE_INT8
 from .payload import PayloadLayout
 from .policy import TensorPlan, plan_tensor, tensor_payload_layout, warmup_phase
 
@@ -80,12 +80,17 @@ class BucketPlan:
     @cached_property
     def dense(self) -> Tuple[MemberPlan, ...]:
         """The members that go dense as they are (their dense allreduce)."""
-        return tuple(m for m in self.members if not m.compressed and m.plan.exchange != DENSE_HALF)
+        return tuple(m for m in self.members if not m.compressed and m.plan.exchange not in (DENSE_HALF, DENSE_INT8))
 
     @cached_property
     def halved(self) -> Tuple[MemberPlan, ...]:
         """The members that go dense in float16 (ratio="auto"'s fp16: core.exchange.DENSE_HALF)."""
         return tuple(m for m in self.members if m.plan.exchange == DENSE_HALF)
+
+    @cached_property
+    def bytewise(self) -> Tuple[MemberPlan, ...]:
+        """The members that go dense one byte a value (ratio="auto"'s int8: core.exchange.DENSE_INT8)."""
+        return tuple(m for m in self.members if m.plan.exchange == DENSE_INT8)
 
     @cached_property
     def numel(self) -> int:
@@ -138,8 +143,9 @@ def plan_bucket(
     Each member is planned as on its own (core.policy.plan_tensor: min_numel, dense_fallback, warm-up, the
     exchange's cost model, which weighs the sparse allreduce where ``sparse_available``). The members that take
     the allgather share one payload and one allgather; those that take the sparse allreduce share one alltoall
-    and one allgather. ``config`` None: every member dense, its values in float16 where ``held`` is DENSE_HALF
-    (ratio="auto" while dense or fp16 is in force: core.autodensity.half_plan).
+    and one allgather. ``config`` None: every member dense, its values in float16 where ``held`` is DENSE_HALF and
+    in bytes where it is DENSE_INT8 (ratio="auto" while dense, fp16 or int8 is in force: core.autodensity's
+    half_plan, int8_plan).
     """
     if not members:
         raise ValueError("horovod-topk: a bucket needs at least one member")
@@ -167,7 +173,8 @@ def _plan_bucket(members: Sequence[Tuple[str, int]], config: Optional[TopKConfig
     planned, offset = [], 0
     for name, numel in members:
         if config is None:
-            plan = (half_plan(numel, is_floating, grad_itemsize) if held == DENSE_HALF else dense_plan(numel))
+            plan = (half_plan(numel, is_floating, grad_itemsize) if held == DENSE_HALF
+                    else int8_plan(numel, is_floating, grad_itemsize) if held == DENSE_INT8 else dense_plan(numel))
             planned.append(MemberPlan(name, offset, numel, plan, None))
             offset += numel
             continue

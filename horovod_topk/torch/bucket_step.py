@@ -2,7 +2,8 @@
 
 A front end that is handed whole buckets (the DDP communication hook) asks core for the plan, builds a
 :class:`BucketStep`, hands :attr:`BucketStep.payload`, :attr:`BucketStep.sparse` and :attr:`BucketStep.dense` to its
-collectives (one allgather; the sparse allreduce's alltoall and allgather; one allreduce), and calls
+collectives (one allgather; the sparse allreduce's alltoall and allgather; one allreduce each for the dense, the
+fp16 and the int8 members), and calls
 :meth:`BucketStep.finish` with what they returned. The step never calls a collective
 itself, so it can be tested and timed without a process group, and the same executor serves any collective library.
 
@@ -17,11 +18,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.bucket_plan import BucketPlan
-from ..core.exchange import DENSE_HALF, SPARSE_ALLREDUCE
+from ..core.bucket_plan import BucketPlan, MemberPlan
+from ..core.exchange import DENSE_HALF, DENSE_INT8, SPARSE_ALLREDUCE
 from ..core.pending import reduction_scale
 from .exchange import ExchangeRequest
 from .half_route import to_half
+from .int8_route import from_int8, int8_words, largest_finite
 from .bucket_select import BucketSelection
 from .sparse_allreduce import SparseRounds
 from .steady_bucket import SteadyBucket, gather_ranges, kept, scatter_ranges
@@ -57,8 +59,16 @@ class BucketStep:
         #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
         #: itself, in place, when every member is dense: DDP's own allreduce, bit for bit), or None.
         self.dense: Optional[torch.Tensor] = None
-        #: The fp16 members' float16 values (torch.half_route), back to back, ready for a sum-allreduce, or None.
+        #: The fp16 members' float16 values (torch.half_route), back to back, ready for a sum-allreduce, or None;
+        #: the members they are: the fp16 ones, and int8 ones without a grid yet (torch.int8_route), in that order.
         self.half: Optional[torch.Tensor] = None
+        self.half_members: Tuple[MemberPlan, ...] = ()
+        #: The int8 members' int32 words (torch.int8_route), member after member, ready for a sum-allreduce, or
+        #: None; each such member with its record and grid step.
+        self.int8: Optional[torch.Tensor] = None
+        self._int8_sent: List[Tuple[MemberPlan, Any, float]] = []
+        #: The records of the int8 members that go fp16 this step, by name: their result sets their grid.
+        self._int8_unset: Dict[str, Any] = {}
         steady = kept(slot, state, plan, buffer, world_size)
         if steady is not None:  # the same bucket as last step in every respect: its kept work, not member by member
             self.selection = steady.run(state, buffer)
@@ -85,7 +95,7 @@ class BucketStep:
             state._guard_spike(record, flat)
             record.steps += 1
             record.bytes_dense += member.numel * itemsize
-            if member.plan.exchange == DENSE_HALF:  # sent below, with the others in float16
+            if member.plan.exchange in (DENSE_HALF, DENSE_INT8):  # sent below, with the others of their route
                 continue
             if not member.compressed:
                 record.bytes_sent += member.numel * itemsize
@@ -109,22 +119,45 @@ class BucketStep:
             self.selection = BucketSelection(state, gathered, world_size, "average", layouts, span)
         self.payload = self.selection.payload if self.selection is not None else None
         self.sparse = SparseRounds(sparse) if sparse else None
-        if plan.halved:  # ratio="auto"'s fp16: each member's float16 values back to back, its rounding in its residual
-            self.half = torch.empty(sum(m.numel for m in plan.halved), dtype=torch.float16, device=buffer.device)
-            self._send_half(state, plan, buffer, world_size)
+        halved = list(plan.halved)
+        if plan.bytewise:  # ratio="auto"'s int8: each member's words one after the other
+            halved += self._send_int8(state, plan.bytewise, buffer, world_size)
+        if halved:  # ratio="auto"'s fp16: each member's float16 values back to back, its rounding in its residual
+            self.half_members = tuple(halved)
+            self.half = torch.empty(sum(m.numel for m in halved), dtype=torch.float16, device=buffer.device)
+            self._send_half(state, self.half_members, buffer, world_size)
         dense = plan.dense
         if len(dense) == len(plan.members):
             self.dense = buffer.div_(world_size)
         elif dense:
             self.dense = gather_ranges(buffer, [(m.offset, m.end) for m in dense], world_size)
 
-    def _send_half(self, state: Any, plan: BucketPlan, buffer: torch.Tensor, world_size: int) -> None:
+    def _send_int8(self, state: Any, members: Sequence[MemberPlan], buffer: torch.Tensor, world_size: int
+                   ) -> List[MemberPlan]:
+        """The int8 members' words into :attr:`int8`, each on its own grid (its record's reference: the largest
+        magnitude of its last result, the same on every rank). Returns the members without a grid yet (their first
+        step on the route, a load without one): they go fp16 this step, and their result sets the grid."""
+        words, without = [], []
+        for member in members:
+            record = state.registry.records[member.name]
+            if record.int8_reference > 0.0:
+                sent, delta = state._send_int8(member.name, record, buffer[member.offset:member.end], self.scale,
+                                               world_size, "average")
+                words.append(sent)
+                self._int8_sent.append((member, record, delta))
+            else:
+                without.append(member)
+                self._int8_unset[member.name] = record
+        if words:
+            self.int8 = torch.cat(words)
+        return without
+
+    def _send_half(self, state: Any, members: Sequence[MemberPlan], buffer: torch.Tensor, world_size: int) -> None:
         """The fp16 members into :attr:`half` (torch.half_route). On the CPU member by member (one pass of the fused
         kernel each). Elsewhere, when they lie end to end, as one tensor: their residuals joined, one run of the
         torch operations over the bucket, the residuals copied back -- about ten launches per bucket instead of
         eight per member (ResNet-50's 161 tensors: 12 ms of the host's time per step on an H100). A non-finite
         gradient there is counted for every member of the bucket (which member had it is not read: no host wait)."""
-        members = plan.halved
         end_to_end = all(a.end == b.offset for a, b in zip(members, members[1:]))
         if buffer.device.type != "cpu" and len(members) > 1 and end_to_end:
             records = [state.registry.records[m.name] for m in members]
@@ -155,12 +188,26 @@ class BucketStep:
         return self.dense is self.buffer
 
     def finish(self, gathered: Optional[torch.Tensor], dense_sum: Optional[torch.Tensor],
-               owners: Optional[torch.Tensor] = None, half_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
+               owners: Optional[torch.Tensor] = None, half_sum: Optional[torch.Tensor] = None,
+               int8_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Write the bucket's averaged gradients over the buffer from the allgather of every rank's payload
         (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, the sparse allreduce's
-        allgather of the owners' kept sums (``owners``) and the sum-allreduce of :attr:`half`; returns the buffer."""
+        allgather of the owners' kept sums (``owners``) and the sum-allreduces of :attr:`half` and :attr:`int8`;
+        returns the buffer."""
         if half_sum is not None:
-            scatter_ranges(self.buffer, [(m.offset, m.end) for m in self.plan.halved], half_sum)
+            scatter_ranges(self.buffer, [(m.offset, m.end) for m in self.half_members], half_sum)
+            at = 0
+            for member in self.half_members:  # an int8 member's fp16 step: its result sets the grid
+                if member.name in self._int8_unset:
+                    self._int8_unset[member.name].int8_reference = largest_finite(half_sum[at:at + member.numel])
+                at += member.numel
+        if int8_sum is not None:
+            at = 0
+            for member, record, delta in self._int8_sent:
+                words = int8_words(member.numel)
+                _, record.int8_reference = from_int8(int8_sum[at:at + words], member.numel, self.world_size, delta,
+                                                     self.buffer[member.offset:member.end])
+                at += words
         copy_back = None
         if dense_sum is not None and not self.all_dense:
             ranges, buffer = [(m.offset, m.end) for m in self.plan.dense], self.buffer

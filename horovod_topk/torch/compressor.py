@@ -27,7 +27,6 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
-from ..core.autodensity import INT8
 from ..core.buckets import BucketTable
 from ..core.exchange import ALLGATHER, DENSE_HALF, DENSE_INT8
 from ..core.naming import half_allreduce_name, int8_allreduce_name
@@ -141,9 +140,6 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
     (residuals are keyed by parameter name, prefixed per optimizer where names overlap; see core.scopes).
     ``TopKEF(log_every=N, summary_writer=w)`` reports every N steps (core.telemetry).
     """
-
-    #: ratio="auto" may choose int8 here (torch.int8_route); on CPU gradients only (see _auto_begin).
-    _sends_int8 = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -326,11 +322,7 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         decide, before this tensor is planned; every rank reaches the same step's first tensor."""
         assert self.auto is not None
         if self.auto.int8 and tensor.device.type != "cpu":
-            # int8's grid reference is read on the host (torch.int8_route): on a GPU a sync per tensor and step
-            self.auto.int8 = False
-            if self.auto.ratio == INT8:  # a checkpoint's int8: dense until a decision after a fresh window
-                self.auto.ratio = None
-                self.auto.decide_soon()
+            self.auto.withdraw_int8()  # int8's grid reference is read on the host (torch.int8_route)
         if not self.auto.begin(step, time.perf_counter()):
             return
         measurement = auto_density.measure(self.auto, self._auto_tensors(), process_set, tensor.device,

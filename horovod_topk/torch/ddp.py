@@ -286,8 +286,8 @@ def _reduce(state: TopKEFState, bucket: dist.GradBucket, group: Any,
 
 
 def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Future[torch.Tensor]:
-    """A bucket's collectives (one allgather, the sparse allreduce's alltoall and allgather, one allreduce of the
-    dense members), launched; the Future of its averaged values written over its buffer."""
+    """A bucket's collectives (one allgather, the sparse allreduce's alltoall and allgather, one allreduce each of
+    the dense, the fp16 and the int8 members), launched; the Future of its averaged values written over its buffer."""
     world_size = step.world_size
     buffer = step.buffer
     state.buckets_reduced += 1
@@ -313,6 +313,8 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
         futures.append(dist.all_reduce(step.dense, group=group, async_op=True).get_future())
     if step.half is not None:  # ratio="auto"'s fp16 (torch.half_route): summed in place
         futures.append(dist.all_reduce(step.half, group=group, async_op=True).get_future())
+    if step.int8 is not None:  # ratio="auto"'s int8 (torch.int8_route): the words summed in place
+        futures.append(dist.all_reduce(step.int8, group=group, async_op=True).get_future())
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
         nonlocal step, gathered, owners
@@ -321,7 +323,7 @@ def launch(state: TopKEFState, step: BucketStep, group: Any) -> torch.futures.Fu
         try:
             for fut in done.value():
                 fut.wait()
-            return step.finish(gathered, step.dense, owners, step.half)
+            return step.finish(gathered, step.dense, owners, step.half, step.int8)
         finally:
             # The collective's thread releases this function after it returns; whatever the closure still owned
             # would be freed there, taking the GIL once per tensor, and a process that ends meanwhile kills that

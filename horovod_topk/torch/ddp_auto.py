@@ -115,6 +115,8 @@ class StepClock:
         """A step begins, every rank at the same step and before any of its collectives: the last step's wait
         is counted into it and closed, a decision due is taken, and this step's stamps are set up."""
         auto = state.auto
+        if auto.int8 and device.type != "cpu":
+            auto.withdraw_int8()  # int8's grid reference is read on the host (torch.int8_route)
         stamps = stamps_for(device)  # raises for a device without a clock, on every rank before any collective
         if self._stamps is not None:
             wait = self._stamps.seconds()

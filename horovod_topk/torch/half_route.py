@@ -20,13 +20,13 @@ collective.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
 from ..core.exchange import FLOAT16_MAX, half_limit
 from . import kernels
+from .int8_route import largest_finite
 
 __all__ = ["FLOAT16_MAX", "to_half", "HalfHandle"]
 
@@ -78,8 +78,7 @@ class HalfHandle:
             summed = self._wait(self._handle)
             self._out.copy_(summed.view(self._out.shape))
             if self._keep is not None:
-                largest = float(summed.abs().max()) if summed.numel() else 0.0
-                self._keep(largest if math.isfinite(largest) else 0.0)
+                self._keep(largest_finite(summed))
             self._result = self._out.view(self._shape)
             self._handle = None
         return self._result

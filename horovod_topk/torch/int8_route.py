@@ -36,7 +36,7 @@ import torch
 from ..core.exchange import int8_lane_limit, int8_word_bias
 from . import kernels
 
-__all__ = ["SPREAD", "int8_words", "to_int8", "from_int8", "Int8Handle"]
+__all__ = ["SPREAD", "int8_words", "to_int8", "from_int8", "largest_finite", "Int8Handle"]
 
 #: Each rank's grid covers +-SPREAD x the previous average's largest entry (in the rank's own units): its own
 #: values spread wider than their average (the average's noise is sqrt(P) smaller). Screened on the transformer
@@ -49,6 +49,13 @@ CONTROL_WORDS = 1
 def int8_words(numel: int) -> int:
     """int32 words one rank sends for a tensor of ``numel`` values: four values a word, and the control word."""
     return (numel + 3) // 4 + CONTROL_WORDS
+
+
+def largest_finite(values: torch.Tensor) -> float:
+    """A reduced result's largest magnitude as the next grid's reference, 0 where it is empty or not finite (that
+    tensor's next step then goes fp16). Read on the host: on the CPU for free."""
+    largest = float(values.abs().max()) if values.numel() else 0.0
+    return largest if math.isfinite(largest) else 0.0
 
 
 def to_int8(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size: int, reference: float

@@ -37,6 +37,9 @@ class TorchResiduals:
     auto: Any
     #: ratio="auto" may choose fp16: every PyTorch front end sends it (torch.half_route)
     _sends_half = True
+    #: and int8 (torch.int8_route), on CPU gradients only: each front end withdraws it on another device
+    #: (core.autodensity.AutoDensity.withdraw_int8)
+    _sends_int8 = True
 
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         """What the values of ``tensor``'s payload travel as (TopKConfig.value_dtype, or its own dtype)."""

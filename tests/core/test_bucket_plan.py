@@ -79,3 +79,19 @@ def test_fingerprints_differ_when_members_differ():
 def test_an_empty_bucket_is_refused():
     with pytest.raises(ValueError, match="at least one member"):
         plan(members=[])
+
+
+def test_held_routes_send_every_floating_member_in_float16_or_in_bytes():
+    """ratio="auto" holding fp16 or int8 (config None): every floating member takes that route, however small; a
+    bucket of integers stays dense; the three routes' members never overlap."""
+    from horovod_topk.core.exchange import DENSE, DENSE_HALF, DENSE_INT8
+
+    for held, route in ((DENSE_HALF, "halved"), (DENSE_INT8, "bytewise"), (DENSE, "dense")):
+        p = plan_bucket(MEMBERS, None, is_floating=True, world_size=2, step=0, value_itemsize=4, grad_itemsize=4,
+                        held=held)
+        assert [m.name for m in getattr(p, route)] == [name for name, _ in MEMBERS], held
+        assert sum(len(getattr(p, r)) for r in ("halved", "bytewise", "dense")) == len(MEMBERS)
+        assert not p.compressed and p.exchange == "dense"
+        integers = plan_bucket(MEMBERS, None, is_floating=False, world_size=2, step=0, value_itemsize=4,
+                               grad_itemsize=4, held=held)
+        assert len(integers.dense) == len(MEMBERS)

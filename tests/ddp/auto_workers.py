@@ -29,13 +29,16 @@ SCRIPTS: Dict[str, Callable[[int], Callable[[int], Any]]] = {
     # 20x slower link (fp16 again for this model)
     "half": lambda step: {FIRST_DECISION: auto_links.half_link,
                           SECOND_DECISION: auto_links.fast_link}.get(step, auto_links.much_slower_link),
+    # int8 from the first decision (a quarter of dense's bytes hides), dense at the second, int8 again after
+    "int8": lambda step: auto_links.fast_link if step == SECOND_DECISION else auto_links.int8_link,
 }
 
 
-def offer_half(state: TopKEFState, script: Optional[str]) -> None:
-    """fp16 is among auto's choices only under the "half" script: the others script dense <-> sparse sequences,
-    which a link where fp16 is soonest would turn into fp16 instead of dense."""
+def offer_held(state: TopKEFState, script: Optional[str]) -> None:
+    """fp16 is among auto's choices only under the "half" script and int8 only under "int8": the others script
+    dense <-> sparse sequences, which a link where fp16 or int8 is soonest would turn into those instead of dense."""
     state.auto.half = script == "half"
+    state.auto.int8 = script == "int8"
 
 
 def scripted(name: Optional[str], rank: int = 0) -> List[int]:
@@ -77,7 +80,7 @@ def update_mode_training(script: Optional[str]):
     model = make_model(torch.float64)
     state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, target="update",
                         named_parameters=model.named_parameters(), bucket_bytes=20_000)
-    offer_half(state, script)
+    offer_held(state, script)
     ddp = ddp_of(model, state, bucket_cap_mb=0.3)
     return model, state, ddp, update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS),
                                                     state)
@@ -106,7 +109,7 @@ def invariant(rank: int, world_size: int, script: str, micro_batches: int = 1,
     decided = scripted(script)
     model = make_model(torch.float64)
     state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS)
-    offer_half(state, script)
+    offer_held(state, script)
     log: List[Dict[str, Any]] = []
     ddp = DDP(model, bucket_cap_mb=0.3, **(ddp_options or {}))
     ddp.register_comm_hook(state, recording_hook(log))
@@ -122,17 +125,19 @@ def invariant(rank: int, world_size: int, script: str, micro_batches: int = 1,
             "same": all_equal_across_ranks(params)}
 
 
-def resume(rank: int, world_size: int, target: str = "gradient") -> Dict[str, Any]:
-    """THIRD_DECISION steps straight, against a checkpoint (model, optimizer, TopKEFState) taken while sparse,
-    loaded into fresh objects that run the rest (``target="update"``: each rank's own optimizer state)."""
-    scripted("slow_then_sparse_slower")
+def resume(rank: int, world_size: int, target: str = "gradient", script: str = "slow_then_sparse_slower"
+           ) -> Dict[str, Any]:
+    """THIRD_DECISION steps straight, against a checkpoint (model, optimizer, TopKEFState) taken while sparse (int8
+    under the "int8" script: each member's grid is in the checkpoint), loaded into fresh objects that run the rest
+    (``target="update"``: each rank's own optimizer state)."""
+    scripted(script)
     save_at, end = FIRST_DECISION + 3, THIRD_DECISION
 
     def fresh():
         model = make_model()
         state = TopKEFState(ratio="auto", min_numel=64, auto_every=5, named_parameters=model.named_parameters(),
                             target=target)
-        offer_half(state, None)
+        offer_held(state, script)
         opt = torch.optim.Adam(model.parameters(), 1e-2)
         opt = opt if target == "gradient" else update_mode_optimizer(opt, state)
         return model, state, ddp_of(model, state, bucket_cap_mb=0.3), opt
@@ -151,8 +156,41 @@ def resume(rank: int, world_size: int, target: str = "gradient") -> Dict[str, An
     state.load_state_dict(saved["topk"])
     for step in range(save_at + 1, end):
         train_step(ddp, opt, rank, step)
+    grids = sorted(r.int8_reference for _, r in state.registry)
     return {"straight": straight, "resumed": flat_params(model), "saved_ratio": saved["topk"]["auto"]["ratio"],
+            "grids": grids,
             "straight_auto": straight_ratios, "resumed_auto": state.stats()["auto"]}
+
+
+def int8_nonfinite(rank: int, world_size: int) -> Dict[str, Any]:
+    """int8 from the first decision; rank 1's gradient of c.weight holds a NaN two steps later (each member on its
+    grid by then): per parameter the averaged gradient of that step, every residual after it, and each member's
+    grid reference after it."""
+    from .workers import poison_on
+
+    scripted("int8")
+    model = make_model()
+    state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, named_parameters=model.named_parameters())
+    offer_held(state, "int8")
+    ddp = ddp_of(model, state, bucket_cap_mb=0.3)
+    bad_step = FIRST_DECISION + 2
+    step_box = poison_on(model, rank, bad_step)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out: Dict[str, Any] = {}
+    for step in range(bad_step + 1):
+        step_box[0] = step
+        if step == bad_step:
+            out["before"] = {n: r.residual.clone() for n, r in state.registry if r.residual is not None}
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()  # no optimizer step: AMP would skip it
+        else:
+            train_step(ddp, opt, rank, step)
+    out.update(ratio=state.auto.ratio, grads={n: p.grad.detach().clone() for n, p in model.named_parameters()},
+               residuals={n: r.residual.clone() for n, r in state.registry if r.residual is not None},
+               grids={n: r.int8_reference for n, r in state.registry},
+               nonfinite_steps=state.stats()["nonfinite_steps"])
+    return out
 
 
 def disagree(rank: int, world_size: int, how: str) -> str:
@@ -163,6 +201,7 @@ def disagree(rank: int, world_size: int, how: str) -> str:
     model = make_model()
     budget = 0.2 if how == "budget" and rank == 1 else 0.1
     state = TopKEFState(ratio="auto", min_numel=64, budget=budget)
+    offer_held(state, None)
     ddp = ddp_of(model, state, bucket_cap_mb=0.3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     try:
@@ -184,6 +223,7 @@ def update_held_dense(rank: int, world_size: int) -> Dict[str, Any]:
     model = make_model()
     state = TopKEFState(ratio="auto", min_numel=64, auto_every=CHECK_STEPS, target="update",
                         named_parameters=model.named_parameters())
+    offer_held(state, None)
     ddp = ddp_of(model, state, bucket_cap_mb=0.3)
     opt = update_mode_optimizer(torch.optim.Adam(model.parameters(), LR, betas=BETAS, eps=EPS), state)
     routes = []

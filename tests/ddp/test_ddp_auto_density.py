@@ -79,6 +79,58 @@ def test_fp16_keeps_error_feedback_exact_halves_the_bytes_and_hands_over_to_dens
     assert stats["buckets"]["compressed"] == 0  # sent whole in float16, not compressed
 
 
+def test_int8_keeps_error_feedback_exact_sends_a_byte_a_value_and_hands_over_to_dense_and_back():
+    """ratio="auto"'s int8 in the DDP hook (each member's values one byte on its own grid, four to an int32 word, one
+    allreduce per bucket): per bucket call and member the invariant holds exactly (an integer sum rounds nothing;
+    a member's first step on the route, without a grid, goes fp16 and sets it), through dense -> int8 -> dense ->
+    int8 (the grid kept across the dense steps); parameters identical on every rank; a byte a value."""
+    from horovod_topk.torch.int8_route import int8_words
+
+    from .workers import make_model
+
+    world_size = 2
+    results = harness.run(auto_workers.invariant, world_size, "int8")
+    first_steps = _check_invariant(results, world_size)  # the member checks made on fp16 (the grids' first steps)
+    assert all(r["same"] for r in results)
+    ratios = results[0]["ratios"]
+    assert all(r["ratios"] == ratios for r in results)
+    assert ratios[:FIRST_DECISION] == [None] * FIRST_DECISION
+    assert ratios[FIRST_DECISION] == "int8" and ratios[SECOND_DECISION] is None and ratios[-1] == "int8", ratios
+    log = results[0]["log"]
+    # the int8 calls of the first int8 step went fp16 (no grid yet), every later one on its members' grids
+    by_call = [any(e["half"]) for e in log if e["int8"]]
+    assert first_steps > 0 and by_call == sorted(by_call, reverse=True), by_call
+    assert by_call.count(False) >= len(log) // 3, (by_call, len(log))  # checked exactly above
+    sizes = [p.numel() for p in make_model(torch.float64).parameters()]
+    words = sum(4 * int8_words(n) for n in sizes)
+    sent, dense = results[0]["sent"], results[0]["sent"][0]
+    assert dense == 8 * sum(sizes)
+    for i, ratio in enumerate(ratios):
+        expected = dense if ratio is None else dense // 4 if i == FIRST_DECISION else words
+        assert sent[i] == expected, (i, ratio, sent[i], expected)
+    assert words < dense // 7  # float64: 8 bytes a value, int8 one (and each member's control word)
+    stats = results[0]["stats"]
+    assert stats["exchanges"].get("dense_int8", 0) > 0 and stats["buckets"]["compressed"] == 0
+
+
+def test_int8_a_nan_on_one_rank_makes_its_member_nan_everywhere_and_no_residual_takes_it():
+    """A NaN in rank 1's c.weight on an int8 step: c.weight's averaged gradient is NaN on every rank (a byte cannot
+    carry it; the member's control word does), its bucket-mates' are finite and their residuals carry on, no
+    residual holds a non-finite value, and the ranks' grids stay alike."""
+    results = harness.run(auto_workers.int8_nonfinite, 2)
+    for r in results:
+        assert r["ratio"] == "int8"
+        assert torch.isnan(r["grads"]["c.weight"]).all()
+        assert all(torch.isfinite(g).all() for n, g in r["grads"].items() if n != "c.weight")
+        assert all(torch.isfinite(v).all() for v in r["residuals"].values())
+        assert not torch.equal(r["residuals"]["b.weight"], r["before"]["b.weight"])  # a bucket-mate carried on
+    # the NaN entry's residual is kept, not taken; the finite entries were sent as on any step (and are dropped with
+    # the step everywhere, as dense DDP's would be)
+    assert results[1]["residuals"]["c.weight"][0] == results[1]["before"]["c.weight"][0]
+    assert results[1]["nonfinite_steps"] >= 1 and results[0]["nonfinite_steps"] == 0
+    assert results[0]["grids"] == results[1]["grids"]
+
+
 def test_update_mode_keeps_error_feedback_exact_through_every_change_of_density():
     """Update mode (Adam), the density decided at the optimizer's step: per step and compressed update, the ranks'
     residuals + P x applied == their old residuals + local updates, through dense -> sparse -> dense -> sparse (a
@@ -108,11 +160,14 @@ def test_update_mode_keeps_error_feedback_exact_through_every_change_of_density(
         assert ratio is None and bytes_ == sent[0] or 0 < bytes_ < sent[0] * 2 * ratio + 8192, (ratio, by_ratio)
 
 
-@pytest.mark.parametrize("target", ["gradient", "update"])
-def test_checkpoint_resumes_exactly_with_the_density_in_force(target):
-    results = harness.run(auto_workers.resume, 2, target)
+@pytest.mark.parametrize("target,script", [("gradient", "slow_then_sparse_slower"), ("update", "slow_then_sparse_slower"),
+                                           ("gradient", "int8")])
+def test_checkpoint_resumes_exactly_with_the_density_in_force(target, script):
+    results = harness.run(auto_workers.resume, 2, target, script)
     for r in results:
-        assert r["saved_ratio"] is not None  # saved while sparse
+        assert r["saved_ratio"] is not None  # saved while sparse (or int8)
+        if script == "int8":  # each member's grid came back with the checkpoint
+            assert r["saved_ratio"] == "int8" and all(g > 0 for g in r["grids"]), r["grids"]
         assert torch.equal(r["straight"], r["resumed"])
         assert r["straight_auto"]["ratio"] == r["resumed_auto"]["ratio"]
     assert torch.equal(results[0]["resumed"], results[1]["resumed"])

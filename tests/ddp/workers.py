@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from horovod_topk.core.autodensity import HALF
+from horovod_topk.core.autodensity import HALF, INT8
 from horovod_topk.torch.ddp import TopKEFState, gather_state, restore_state, topk_ef_hook
 
 
@@ -111,9 +111,14 @@ def recording_hook(log: List[Dict[str, Any]]):
             entry["after"] = [residual(state, n, s, out.dtype) for n, s in zip(names, sizes)]
             return out
 
+        had_grid = [state.registry.records[n].int8_reference > 0.0 if n in state.registry.records else False
+                    for n in names]
         future = topk_ef_hook(state, bucket)
-        # ratio="auto"'s fp16 in force for this bucket (decided, if due, at the step's first bucket, in the call)
-        entry["half"] = state.auto is not None and state.auto.ratio == HALF
+        # per member, whether ratio="auto"'s fp16 carried it (decided, if due, at the step's first bucket, in the
+        # call): fp16 in force, or int8 in force and the member without a grid yet (its first int8 step goes fp16)
+        ratio = state.auto.ratio if state.auto is not None else None
+        entry["half"] = [ratio == HALF or (ratio == INT8 and not grid) for grid in had_grid]
+        entry["int8"] = ratio == INT8
         return future.then(done)
 
     return hook
