@@ -39,8 +39,9 @@ from . import kernels
 __all__ = ["SPREAD", "int8_words", "to_int8", "from_int8", "largest_finite", "Int8Handle"]
 
 #: Each rank's grid covers +-SPREAD x the previous average's largest entry (in the rank's own units): its own
-#: values spread wider than their average (the average's noise is sqrt(P) smaller). Screened on the transformer
-#: in the simulator at 2 and 4 (benchmarks/compression_sim.py, isumavg:SPREAD; docs/auto-density.md).
+#: values spread wider than their average (the average's noise is sqrt(P) smaller). Screened in the simulator at 4
+#: workers (benchmarks/compression_sim.py, isumavg:SPREAD; docs/auto-density.md): the transformer as good at 2 as
+#: at 4, the GRU best at 2 (1 clamps too much, 4 rounds too coarsely).
 SPREAD = 2.0
 #: Words after the values: the count of ranks with a non-finite gradient.
 CONTROL_WORDS = 1

@@ -131,6 +131,25 @@ def test_int8_a_nan_on_one_rank_makes_its_member_nan_everywhere_and_no_residual_
     assert results[0]["grids"] == results[1]["grids"]
 
 
+def test_update_mode_with_int8_runs_its_steps_as_gradient_mode_a_byte_a_value():
+    """Update mode (Adam) while auto holds int8: the step takes the gradient route (the hook reduces the buckets on
+    the int8 route, every rank's Adam takes the same averaged gradient), through dense -> int8 -> dense -> int8;
+    identical parameters on every rank; the bytes of a step on the grids are a byte a value."""
+    from horovod_topk.torch.int8_route import int8_words
+
+    from .workers import make_model
+
+    results = harness.run(auto_workers.update_invariant, 2, "int8")
+    assert all(r["same"] for r in results)
+    ratios = results[0]["ratios"]
+    assert all(r["ratios"] == ratios for r in results)
+    assert ratios[FIRST_DECISION] == "int8" and ratios[SECOND_DECISION] is None and ratios[-1] == "int8", ratios
+    words = sum(4 * int8_words(p.numel()) for p in make_model(torch.float64).parameters())
+    sent = results[0]["sent"]
+    on_grid = [i for i, r in enumerate(ratios) if r == "int8" and i != FIRST_DECISION]
+    assert on_grid and all(sent[i] == words for i in on_grid), [(i, sent[i], words) for i in on_grid]
+
+
 def test_update_mode_keeps_error_feedback_exact_through_every_change_of_density():
     """Update mode (Adam), the density decided at the optimizer's step: per step and compressed update, the ranks'
     residuals + P x applied == their old residuals + local updates, through dense -> sparse -> dense -> sparse (a
