@@ -34,20 +34,26 @@ sys.path.insert(0, str(ROOT))
 METHODS = ["dense", "fp16", "auto-dense", "auto-fp16", "auto-int8", "auto-0.01", "topk0.01"]
 
 
+def hold(auto, held: str, steps: int) -> None:
+    """ratio="auto"'s state ``auto`` (core.autodensity.AutoDensity) held at ``held`` ("dense", "fp16", "int8" or a
+    density) for ``steps`` steps: no decision is due, so no window or probe runs."""
+    from horovod_topk.core.autodensity import HALF, INT8
+
+    held_choices = {"fp16": HALF, "int8": INT8, "dense": None}
+    auto.ratio = held_choices[held] if held in held_choices else float(held)
+    auto.next_decision = steps + 1
+
+
 def compression_for(method: str, steps: int):
     import horovod.torch as hvd
 
-    from horovod_topk.core.autodensity import HALF, INT8
     from horovod_topk.torch import TopKEF
 
     if method in ("dense", "fp16"):
         return {"dense": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
     if method.startswith("auto-"):
         compression = TopKEF(ratio="auto", target="gradient")
-        held = method[len("auto-"):]
-        held_choices = {"fp16": HALF, "int8": INT8, "dense": None}
-        compression.auto.ratio = held_choices[held] if held in held_choices else float(held)
-        compression.auto.next_decision = steps + 1  # the choice held through the whole run: no decision is due
+        hold(compression.auto, method[len("auto-"):], steps)
         return compression
     return TopKEF(ratio=float(method[len("topk"):]), target="gradient")
 

@@ -12,7 +12,8 @@ entries), ``topkc<ratio>`` (TopKEFState with the compact encoding: 16-bit indice
 entry, so 0.027 costs about what 0.01 costs in 8-byte entries), ``topks<ratio>`` (the sparse allreduce for every
 compressed tensor; ``topk`` lets the cost model choose), ``auto`` (TopKEFState(ratio="auto"): the density chosen
 from the job's measurements; time it with ``--warmup 26`` or more, after its first decision and the check one
-window later), ``powersgd<rank>`` (torch's PowerSGD hook, error
+window later), ``auto-dense``, ``auto-fp16``, ``auto-int8`` (``ratio="auto"`` held at that choice for the whole run:
+the route it executes once chosen, without its decisions), ``powersgd<rank>`` (torch's PowerSGD hook, error
 feedback and warm start on, dense for the first 2 steps as its default ``start_powerSGD_iter`` requires).
 
 Workers are real torch.distributed processes (Gloo) on this machine's loopback; the bytes are what the loopback
@@ -125,8 +126,8 @@ class DigitsTask:
             return float(nn.functional.cross_entropy(logits, self.yt))
 
 
-def register(method: str, ddp: nn.Module) -> Any:
-    """Install ``method``'s hook on ``ddp``; returns its state (or None)."""
+def register(method: str, ddp: nn.Module, steps: int) -> Any:
+    """Install ``method``'s hook on ``ddp`` for a run of ``steps``; returns its state (or None)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from horovod_topk.torch.ddp import TopKEFState, topk_ef_hook
@@ -138,6 +139,11 @@ def register(method: str, ddp: nn.Module) -> Any:
         return None
     if method == "auto":
         state = TopKEFState(ratio="auto")
+    elif method.startswith("auto-"):  # auto held at one choice for the whole run (bench_auto_routes.hold)
+        from bench_auto_routes import hold
+
+        state = TopKEFState(ratio="auto", target="gradient")
+        hold(state.auto, method[len("auto-"):], steps)
     elif method.startswith("topkc"):
         state = TopKEFState(ratio=float(method[5:]), index_bits=16, value_dtype="float8")
     elif method.startswith("topks"):
@@ -172,7 +178,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
         for seed in args.seeds:
             model, opt, sched = task.build(seed, args.steps)
             ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
-            state = register(method, ddp)
+            state = register(method, ddp, args.steps)
             gen = torch.Generator().manual_seed(1000 * seed + rank)
             timed_from = min(args.warmup, args.steps - 1)
             for step in range(args.steps):
