@@ -181,17 +181,29 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
             state = register(method, ddp, args.steps)
             gen = torch.Generator().manual_seed(1000 * seed + rank)
             timed_from = min(args.warmup, args.steps - 1)
+            evals: List[int] = []
+            curve: List[float] = []
+            train_seconds: List[float] = []
+            training = evaluating = 0.0  # wall time of the steps alone; of the evaluations within the timed steps
             for step in range(args.steps):
                 if step == timed_from:
                     dist.barrier()
-                    wire, started = sent_bytes(iface), time.perf_counter()
+                    wire, started, evaluating = sent_bytes(iface), time.perf_counter(), 0.0
+                began = time.perf_counter()
                 opt.zero_grad()
                 task.loss(ddp, task.batch(gen)).backward()
                 opt.step()
                 if sched is not None:
                     sched.step()
+                training += time.perf_counter() - began
+                if args.eval_every and (step + 1) % args.eval_every == 0:
+                    began = time.perf_counter()
+                    evals.append(step + 1)
+                    train_seconds.append(training)
+                    curve.append(task.validate(model))
+                    evaluating += time.perf_counter() - began
             dist.barrier()
-            seconds, wire = time.perf_counter() - started, sent_bytes(iface) - wire
+            seconds, wire = time.perf_counter() - started - evaluating, sent_bytes(iface) - wire
             if iface == "lo":  # every rank's traffic: this rank's share
                 wire /= world_size
             else:  # this rank's own link: the mean over ranks
@@ -204,6 +216,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out:
                    "parameters": sum(p.numel() for p in model.parameters())}
             if hasattr(task, "accuracy"):
                 row["accuracy"] = task.accuracy
+            if evals:  # the validation loss every --eval-every steps and the training time (no evaluations) to it
+                row.update(evals=evals, metric_curve=curve, train_seconds=train_seconds)
             if hasattr(state, "stats"):
                 stats = state.stats()
                 row["hook_compression_ratio"] = stats["compression_ratio"]
@@ -246,6 +260,34 @@ def table(rows: List[Dict[str, Any]], workers: int, task: str, steps: int) -> st
     return "\n".join(lines)
 
 
+def target_table(rows: List[Dict[str, Any]]) -> str:
+    """Time to dense's loss per method (rows with --eval-every): the target is 1.01 x the mean over seeds of dense's
+    last validation loss, as benchmarks/convergence.py's; each run's time is its own training clock (evaluations
+    excluded) at its first evaluation at or under the target."""
+    dense = [r for r in rows if r["method"] == "dense" and r.get("metric_curve")]
+    if not dense:
+        return ""
+    target = 1.01 * statistics.mean(r["metric_curve"][-1] for r in dense)
+    lines = [f"time to 1.01 x dense's validation loss ({target:.4f}), training clock of each run",
+             "| method | steps to target (per seed) | time to target (per seed) | mean ± half-range |", "|---|---|---|---|"]
+    by_method: Dict[str, List[Dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("metric_curve"):
+            by_method.setdefault(row["method"], []).append(row)
+    for method, rs in by_method.items():
+        steps, times = [], []
+        for r in rs:
+            hit = next((i for i, loss in enumerate(r["metric_curve"]) if loss <= target), None)
+            steps.append("–" if hit is None else str(r["evals"][hit]))
+            times.append(None if hit is None else r["train_seconds"][hit])
+        reached = [t for t in times if t is not None]
+        summary = (f"{statistics.mean(reached):.1f} ± {(max(reached) - min(reached)) / 2:.1f} s"
+                   if len(reached) == len(times) else f"not reached on {len(times) - len(reached)} seed(s)")
+        per_seed = ", ".join("–" if t is None else f"{t:.1f}" for t in times)
+        lines.append(f"| {method} | {', '.join(steps)} | {per_seed} s | {summary} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="gptlm", choices=["gptlm", "charlm", "digits", "mlp"])
@@ -255,6 +297,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--width", type=int, default=1024, help="MLP width (--task mlp)")
     parser.add_argument("--methods", nargs="+", default=["dense", "fp16", "topk0.01", "powersgd1"])
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="validate every N steps (language models): each row then has the curve and the "
+                             "training time to each point, for a time to the target (evaluations excluded)")
     parser.add_argument("--json", default="")
     parser.add_argument("--master", default="127.0.0.1", help="rank 0's address")
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -271,6 +316,7 @@ def main() -> None:
             rows = json.loads(Path(out).read_text())
             Path(out).unlink()
             print(table(rows, size, args.task, args.steps))
+            print(target_table(rows))
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
@@ -283,6 +329,7 @@ def main() -> None:
         mp.start_processes(worker, args=(args.workers, port, args, out), nprocs=args.workers, start_method="spawn")
         rows = json.loads(Path(out).read_text())
     print(table(rows, args.workers, args.task, args.steps))
+    print(target_table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
