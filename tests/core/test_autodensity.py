@@ -478,3 +478,18 @@ def test_an_int8_window_measures_its_own_offset_and_round_trips():
     other = AutoDensity(AUTO, half=True)  # a front end without int8: dense, and a fresh window
     other.load_state_dict(saved)
     assert other.ratio is None and other.next_decision == other.step + 1 + SETTLE_STEPS + WINDOW_STEPS
+
+
+def test_withdrawing_int8_leaves_it_out_and_sends_an_int8_in_force_dense_until_a_fresh_decision():
+    """A front end whose gradients are off the CPU withdraws int8 (its grid's reference would be read on the host):
+    int8 is no longer chosen, and a checkpoint's int8 in force turns dense and decides again after a fresh window."""
+    from horovod_topk.core.autodensity import CHECK_STEPS, INT8
+
+    auto = AutoDensity(AUTO, half=True, int8=True)
+    auto.ratio, auto.step, auto.next_decision = INT8, 50, 400
+    auto.withdraw_int8()
+    assert not auto.int8 and auto.ratio is None and auto.held_route == "dense"
+    assert auto.next_decision == 50 + 1 + CHECK_STEPS
+    auto.step = auto.next_decision
+    raw = predict_steps(TENSORS, AUTO, link(2.4e9, compute=1.0), compute_s=0.0, hidden_s=0.0, offset_s=0.0)[0]
+    assert auto.decide(TENSORS, link(2.4e9, compute=1.0, select=2e-9, period=1.0 + raw["dense"])).ratio != INT8
