@@ -5,7 +5,10 @@
 # Nothing outside the namespaces this script creates is touched; only their private addresses are used.
 #
 #   scripts/testbed.sh up N [--rate 1gbit] [--delay 0.2ms]   create hosts topk-h1..N (10.77.0.1..N) and shape
-#   scripts/testbed.sh run N [--rate R] [--delay D] -- CMD...  up, run CMD on N workers (1 per host), down
+#   scripts/testbed.sh run N [--rate R] [--delay D] [--gloo] -- CMD...
+#                                                   up, run CMD on N workers (1 per host), down; mpirun starts
+#                                                   them (Horovod over MPI) or, with --gloo, scripts/testbed_gloo.py
+#                                                   (Horovod over Gloo, as horovodrun --gloo starts it)
 #   scripts/testbed.sh bytes N                                  bytes each host's link sent and received so far
 #   scripts/testbed.sh down                                     remove everything this script created
 #
@@ -34,6 +37,7 @@ check() {
 down() {
   for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${PREFIX}-(h[0-9]+|sw)$" || true); do
     ip netns del "$ns" 2>/dev/null || true
+    rm -rf "/etc/netns/$ns"
   done
 }
 
@@ -87,6 +91,21 @@ run() {
   local n=$1 rate=$2 delay=$3; shift 3
   trap down EXIT
   up "$n" "$rate" "$delay"
+  if [[ -n "$GLOO" ]]; then
+    # Horovod 0.28.1 opens its process sets' Gloo contexts on the address the hostname resolves to, not on
+    # HOROVOD_GLOO_IFACE's; the namespaces share this machine's hostname (127.0.0.1 in /etc/hosts), so each host gets
+    # an /etc/hosts of its own (ip netns exec mounts /etc/netns/NS/hosts over /etc/hosts), as real hosts have.
+    local i
+    for i in $(seq 1 "$n"); do
+      mkdir -p "/etc/netns/${PREFIX}-h$i"
+      printf '127.0.0.1 localhost\n%s %s\n' "$SUBNET.$i" "$(hostname)" >"/etc/netns/${PREFIX}-h$i/hosts"
+    done
+    local status=0
+    ip netns exec ${PREFIX}-h1 env PATH="$PATH" python "$ROOT/scripts/testbed_gloo.py" "$n" "$PREFIX" "$SUBNET" \
+      -- "$@" || status=$?
+    bytes "$n"
+    return $status
+  fi
   local hosts=""
   for i in $(seq 1 "$n"); do hosts+="${hosts:+,}$SUBNET.$i:1"; done
   # mpirun's remote shell: "agent HOST CMD..." runs CMD inside that host's namespace (instead of ssh HOST CMD).
@@ -122,11 +141,12 @@ AGENT
   return $status
 }
 
-parse_shaping() {  # sets RATE DELAY REST from "--rate R --delay D [-- ...]"
-  RATE=""; DELAY=""; REST=()
+parse_shaping() {  # sets RATE DELAY GLOO REST from "--rate R --delay D --gloo [-- ...]"
+  RATE=""; DELAY=""; GLOO=""; REST=()
   while [[ $# -gt 0 ]]; do
     case "$1" in
       --rate) RATE=$2; shift 2 ;;
+      --gloo) GLOO=1; shift ;;
       --delay) DELAY=$2; shift 2 ;;
       --) shift; REST=("$@"); return ;;
       *) die "unknown option $1" ;;
@@ -141,5 +161,5 @@ case "$cmd" in
        source "$ROOT/scripts/env.sh"; run "$n" "$RATE" "$DELAY" "${REST[@]}" ;;
   bytes) check; bytes "${1:?N}" ;;
   down) check; down ;;
-  *) sed -n '2,14p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac
