@@ -266,7 +266,9 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
             if self._bucketed.covers(name):  # it travels on its own; its bucket-mates need not wait for it
                 self._bucketed.arrive(name, None, plan.exchange, allgather_handle)
             flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-            keep = self._keep_int8_reference(record) if self.auto is not None and self.auto.int8 else None
+            # the grid's reference comes from int8 steps (and the fp16 step of one without a grid yet), not from
+            # fp16 steps while fp16 is held: that would cost every such step a pass for a grid it may never use
+            keep = self._keep_int8_reference(record) if plan.exchange == DENSE_INT8 else None
             if plan.exchange == DENSE_INT8 and record.int8_reference > 0.0:  # torch.int8_route
                 pending.route = "int8"
                 words, delta = self._send_int8(name, record, flat, scale, world_size, op_name)

@@ -17,9 +17,11 @@ soonest: a link too slow for fp16 whose step still has to pay for every entry no
   ranks whose gradient had a NaN/Inf: then every rank's result is NaN for the whole tensor, so that AMP's scaler
   (or the non-finite rule) skips the step on every rank, and no rank's residual takes the non-finite entries.
 
-Without a previous result (the tensor's first step on this route after a dense step, a load without one, an elastic
-reset) or with one that was all zero or not finite, the front end sends the tensor on the fp16 route instead
-(torch.half_route) and takes M from that result. On the CPU M is read on the host for free; on a GPU it would be
+Without a previous result (the tensor's first step on this route, a load without one, an elastic reset) or with
+one that was all zero or not finite, the front end sends the tensor on the fp16 route instead
+(torch.half_route) and takes M from that result. Steps on other routes (dense, fp16) leave M as it was: a grid
+that no longer fits when int8 resumes corrects itself in a step (a clamped result makes the next grid SPREAD times
+wider, a result far inside it the next one finer; what the grid did not carry is in the residual). On the CPU M is read on the host for free; on a GPU it would be
 a host synchronisation per tensor and step, so ratio="auto" offers int8 only to CPU gradients.
 
 On the CPU one pass of the fused kernel each way (csrc/int8_route.cpp); without a compiler the torch operations
@@ -74,15 +76,12 @@ def to_int8(flat: torch.Tensor, residual: torch.Tensor, scale: float, world_size
     delta = SPREAD * reference / (limit * world_size)
     numel = flat.numel()
     words = torch.empty(int8_words(numel), dtype=torch.int32, device=flat.device)
-    packed = words[:-CONTROL_WORDS].view(torch.uint8)
     module = kernels.load() if flat.device.type == "cpu" and flat.is_contiguous() else None
     if module is not None and flat.dtype in (torch.float32, torch.float64) and residual.dtype in (
             torch.float32, torch.float64) and residual.dtype.itemsize >= flat.dtype.itemsize:
-        packed[numel:].fill_(limit)  # padding: value 0
-        bad = module.to_int8(flat.reshape(-1), residual, scale / delta, delta / scale, limit, packed)
-        words[:-CONTROL_WORDS].sub_(int8_word_bias(limit))
-        words[-1] = bad
+        bad = module.to_int8(flat.reshape(-1), residual, scale / delta, delta / scale, limit, words)
         return words, bad, delta
+    packed = words[:-CONTROL_WORDS].view(torch.uint8)
     acc = flat.reshape(-1).to(residual.dtype) + residual
     finite = torch.isfinite(acc)
     bad = int(not bool(finite.all()))

@@ -66,6 +66,33 @@ def test_int8_keeps_error_feedback_exact_and_parameters_identical(monkeypatch):
     assert torch.equal(everyone[0], everyone[1])
 
 
+def test_fp16_steps_leave_the_int8_grid_as_it_was():
+    """int8 -> fp16 -> int8 (auto held at each in turn, as a decision would set it): the fp16 steps do not read
+    their results' largest entries for a grid (a pass per tensor and step that a long fp16 period would pay for
+    nothing); int8 resumes on the grid it left, without another fp16 step."""
+    from horovod_topk.core.autodensity import HALF
+
+    compressor = TopKEF(ratio="auto", min_numel=256)
+    compressor.auto.next_decision = 10 ** 6  # no decision: the test sets the route
+    held = [INT8] * 3 + [HALF] * 2 + [INT8] * 2
+    compressor.auto.ratio = held[0]
+    exchanges, references = [], []
+
+    def record(model):
+        records = compressor.registry.records
+        exchanges.append({n: r.exchange for n, r in records.items()})
+        references.append({n: r.int8_reference for n, r in records.items()})
+        if len(exchanges) < len(held):
+            compressor.auto.ratio = held[len(exchanges)]
+
+    recorded(compressor, range(len(held)), record)
+    routes = [set(e.values()) for e in exchanges]
+    assert routes == [{"dense_fp16"}] + [{DENSE_INT8}] * 2 + [{"dense_fp16"}] * 2 + [{DENSE_INT8}] * 2, routes
+    assert all(v > 0 for v in references[2].values()), references[2]
+    assert references[3] == references[4] == references[2], references[2:5]
+    assert references[5] != references[4], references[4:6]
+
+
 def test_a_nan_on_one_rank_reaches_every_rank_and_no_residual(monkeypatch):
     """On an int8 step one rank's gradient holds a NaN: every rank's averaged gradient of that tensor is NaN (so a
     loss scaler skips the step everywhere), no residual takes it, and the next steps train on, identical."""
