@@ -43,6 +43,7 @@ Standard library only, like the rest of core.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -165,12 +166,14 @@ def config_at(config: TopKConfig, ratio: float) -> TopKConfig:
     return replace(config, ratio=ratio, budget=None, auto_every=None, sparsity_cost=None)
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every tensor of every held step; plans are frozen
 def dense_plan(numel: int) -> TensorPlan:
     """A tensor's plan while ratio="auto" holds dense: what every front end plans before the first decision and
     whenever dense is chosen."""
     return TensorPlan(numel, None, "ratio='auto': dense", DENSE)
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every tensor of every held step; plans are frozen
 def half_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
     """A tensor's plan while ratio="auto" holds fp16: dense in float16, unless float16 saves nothing (a gradient of
     2 bytes or fewer a value already, not floating point, or empty: dense as it is)."""
@@ -179,6 +182,7 @@ def half_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
     return TensorPlan(numel, None, "ratio='auto': fp16", DENSE_HALF)
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every tensor of every held step; plans are frozen
 def int8_plan(numel: int, is_floating: bool, grad_itemsize: int) -> TensorPlan:
     """A tensor's plan while ratio="auto" holds int8: dense in bytes on a shared grid, unless that saves nothing
     (a gradient of one byte a value already, not floating point, or empty: dense as it is)."""

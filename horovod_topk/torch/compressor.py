@@ -259,7 +259,8 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         if not record.verified:
             record.verified = True
             pending.check = self._agreement_check(name, tensor, record.steps, plan.k, process_set, plan.exchange)
-        self._report_if_due(record.steps, process_set.rank())
+        if self.telemetry.due(record.steps):  # the rank only then: Horovod's process_set.rank() is not free
+            self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
         if plan.exchange in (DENSE_HALF, DENSE_INT8):  # ratio="auto"'s fp16 or int8: its own allreduce
@@ -323,7 +324,7 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         """ratio="auto": at the first tensor of a step whose decision is due, measure (torch.auto_density) and
         decide, before this tensor is planned; every rank reaches the same step's first tensor."""
         assert self.auto is not None
-        if self.auto.int8 and tensor.device.type != "cpu":
+        if self.auto.int8 and not tensor.is_cpu:
             self.auto.withdraw_int8()  # int8's grid reference is read on the host (torch.int8_route)
         if not self.auto.begin(step, time.perf_counter()):
             return
