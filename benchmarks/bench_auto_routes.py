@@ -4,7 +4,9 @@
 Separate jobs of the same step on this shared 2-core machine differ by more than the 5% the step-time bar allows
 (benchmarks/bench_e2e.py runs one 10-step job per method: the transformer's fp16 step at 1 Gbit/s took 434.0 ms in its
 job and 443.9-465.4 ms stepped in turn here, the same day), so this benchmark steps one model per method in turn within
-one job, a barrier before each step, and reports each method's median step (the slowest rank's) after the warm-up.
+one job, a barrier before each step, and reports each method's median step (the slowest rank's) after the warm-up,
+and its median backward (the slowest rank's, the gradients' hooks and what they launch included): the step up to
+where the optimizer starts waiting for the exchanges.
 Methods:
 
 - ``dense``: Horovod's allreduce; ``fp16``: Horovod's ``Compression.fp16``;
@@ -90,21 +92,25 @@ def main() -> None:
             started = time.perf_counter()
             opt.zero_grad()
             loss_fn(model, batch(step)).backward()
+            backward = time.perf_counter() - started  # the gradients' hooks (and what they launch) included
             opt.step()
             took = time.perf_counter() - started
-            times.append(float(hvd.allreduce(torch.tensor([took]), op=hvd.Max, name=f"routes.max.{method}")))
+            times.append(hvd.allreduce(torch.tensor([took, backward]), op=hvd.Max,
+                                       name=f"routes.max.{method}").tolist())
     if hvd.rank() != 0:
         return
-    medians = {method: statistics.median(times[args.warmup:]) for method, _, _, _, _, times in runs}
+    medians = {method: statistics.median(t[0] for t in times[args.warmup:]) for method, _, _, _, _, times in runs}
     baseline = min((medians[m] for m in ("dense", "fp16") if m in medians), default=None)
     print(f"model {args.model}, {hvd.size()} workers, {args.steps - args.warmup} steps per method after "
           f"{args.warmup}, methods in turn")
-    print("| method | median step (ms) | mean (ms) | / faster of dense, fp16 |")
-    print("|---|---|---|---|")
+    print("| method | median step (ms) | mean (ms) | / faster of dense, fp16 | median backward (ms) |")
+    print("|---|---|---|---|---|")
     for method, _, _, _, _, times in runs:
         counted = times[args.warmup:]
         ratio = f"{medians[method] / baseline:.3f}" if baseline else "–"
-        print(f"| {method} | {medians[method] * 1e3:.1f} | {statistics.mean(counted) * 1e3:.1f} | {ratio} |")
+        backward = statistics.median(t[1] for t in counted)
+        print(f"| {method} | {medians[method] * 1e3:.1f} | {statistics.mean(t[0] for t in counted) * 1e3:.1f} | "
+              f"{ratio} | {backward * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

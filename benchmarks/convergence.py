@@ -451,6 +451,9 @@ def main() -> None:
                         help="Horovod workers per run (digits-noniid needs 2: it splits the classes in two halves)")
     parser.add_argument("--out", default=str(ROOT / "results" / "convergence"))
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--gloo", action="store_true",
+                        help="the test bed's runs over Gloo (scripts/testbed.sh run --gloo, as horovodrun --gloo "
+                             "starts them) instead of MPI")
     parser.add_argument("--worker", nargs=3, metavar=("TASK", "METHOD", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     out_dir = Path(args.out)
@@ -468,7 +471,8 @@ def main() -> None:
         if not path.exists():
             p = str(args.workers)
             rate = testbed_rate(method)
-            launch = ([str(ROOT / "scripts" / "testbed.sh"), "run", p, "--rate", rate, "--"] if rate else
+            launch = ([str(ROOT / "scripts" / "testbed.sh"), "run", p, "--rate", rate] + ["--gloo"] * args.gloo
+                      + ["--"] if rate else
                       ["horovodrun", "-np", p, "-H", f"localhost:{p}"])
             # the workers' output is kept beside the result (a stall or a warning is read there afterwards)
             out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_two_hosts_train_topkef_across_a_shaped_link():
+@pytest.mark.parametrize("launch", [[], ["--gloo"]], ids=["mpi", "gloo"])
+def test_two_hosts_train_topkef_across_a_shaped_link(launch):
+    """Started by mpirun (Horovod over MPI) or by scripts/testbed_gloo.py (over Gloo, as horovodrun --gloo)."""
     result = subprocess.run(
-        [str(ROOT / "scripts" / "testbed.sh"), "run", "2", "--rate", "100mbit", "--",
+        [str(ROOT / "scripts" / "testbed.sh"), "run", "2", "--rate", "100mbit", *launch, "--",
          "python", str(ROOT / "tests" / "testbed_job.py")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
         # os.environ explicitly: this pytest process may have initialised MPI (single-rank Horovod tests), whose
@@ -35,5 +37,8 @@ def test_two_hosts_train_topkef_across_a_shaped_link():
         assert float(spread) == 0.0, "every rank must hold identical parameters"
     links = dict(re.findall(r"host(\d) tx_bytes=(\d+)", out))
     assert set(links) == {"1", "2"} and all(int(b) > 10_000 for b in links.values()), out
+    if launch:
+        assert "TESTBED controller=gloo" in out, out
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "topk-" not in listed, "the test bed must remove its namespaces"
+    assert not list(Path("/etc/netns").glob("topk-*")), "the test bed must remove its hosts' files"

@@ -24,6 +24,7 @@ flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 spread = (hvd.allreduce(flat, op=hvd.Max, name="check.max") - hvd.allreduce(flat, op=hvd.Min, name="check.min")).abs()
 reports = hvd.allgather_object((hvd.rank(), hvd.size(), compressor.stats(), float(spread.max())))
 if hvd.rank() == 0:  # one printer, so that the lines of the two ranks cannot interleave
+    sys.stdout.write(f"TESTBED controller={'gloo' if hvd.gloo_enabled() and not hvd.mpi_enabled() else 'mpi'}\n")
     for rank, size, stats, spread in reports:
         # one write per line: print() writes the text and the newline separately, and mpirun's output tagging
         # can then land between them
