@@ -3,8 +3,9 @@
 
 scripts/testbed.sh runs this inside the first host's namespace (``run N --gloo -- CMD``). Why a launcher of its own:
 mpirun (the bed's default launch) makes Horovod negotiate and reduce over MPI, whose collectives poll a core while
-they wait and, on these 4-8 workers sharing 2 cores, take 1.4-1.7x Gloo's time for the same bytes (benchmarks/bench_collectives.py); ``horovodrun
---gloo`` (what the README's commands use) needs ssh to each host. So this does what horovodrun's Gloo launch does
+they wait and, on 4 workers sharing 2 cores, took 1.4-1.7x Gloo's time for the same bytes at 100 Mbit/s
+(benchmarks/bench_collectives.py); ``horovodrun --gloo`` (what the README's commands use) needs ssh to each host.
+So this does what horovodrun's Gloo launch does
 (horovod/runner/gloo_run.py): a rendezvous server on this host, the slot plan of one worker per host, each worker's
 HOROVOD_* variables, and each worker started in its host's namespace with ``ip netns exec`` instead of ssh.
 
