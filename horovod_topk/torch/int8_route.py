@@ -18,11 +18,12 @@ soonest: a link too slow for fp16 whose step still has to pay for every entry no
   (or the non-finite rule) skips the step on every rank, and no rank's residual takes the non-finite entries.
 
 Without a previous result (the tensor's first step on this route, a load without one, an elastic reset) or with
-one that was all zero or not finite, the front end sends the tensor on the fp16 route instead
-(torch.half_route) and takes M from that result. Steps on other routes (dense, fp16) leave M as it was: a grid
-that no longer fits when int8 resumes corrects itself in a step (a clamped result makes the next grid SPREAD times
-wider, a result far inside it the next one finer; what the grid did not carry is in the residual). On the CPU M is read on the host for free; on a GPU it would be
-a host synchronisation per tensor and step, so ratio="auto" offers int8 only to CPU gradients.
+one that was all zero or not finite, the front end sends the tensor on the fp16 route instead (torch.half_route)
+and takes M from that result. Steps on other routes (dense, fp16) leave M as it was: a grid that no longer fits
+when int8 resumes corrects itself in a step (a clamped result makes the next grid SPREAD times wider, a result far
+inside it the next one finer; what the grid did not carry is in the residual). On the CPU M is read on the host
+for free; on a GPU it would be a host synchronisation per tensor and step, so ratio="auto" offers int8 only to CPU
+gradients.
 
 On the CPU one pass of the fused kernel each way (csrc/int8_route.cpp); without a compiler the torch operations
 below, which give the same bits.
