@@ -2,7 +2,8 @@
 # A multi-host test bed on one machine: N "hosts" as Linux network namespaces, each joined to a bridge (in a
 # switch namespace of its own) by a veth link shaped with tc, and Horovod jobs started across them through the
 # real multi-host launch path (mpirun with a host list; the remote shell is `ip netns exec` instead of ssh).
-# Nothing outside the namespaces this script creates is touched; only their private addresses are used.
+# Nothing outside the namespaces this script creates (and, with --gloo, their /etc/netns/NS files) is touched; only
+# their private addresses are used.
 #
 #   scripts/testbed.sh up N [--rate 1gbit] [--delay 0.2ms]   create hosts topk-h1..N (10.77.0.1..N) and shape
 #   scripts/testbed.sh run N [--rate R] [--delay D] [--gloo] -- CMD...
@@ -88,25 +89,21 @@ bytes() {
   done
 }
 
-run() {
-  local n=$1 rate=$2 delay=$3; shift 3
-  trap down EXIT
-  up "$n" "$rate" "$delay"
-  if [[ -n "$GLOO" ]]; then
-    # Horovod 0.28.1 opens its process sets' Gloo contexts on the address the hostname resolves to, not on
-    # HOROVOD_GLOO_IFACE's; the namespaces share this machine's hostname (127.0.0.1 in /etc/hosts), so each host gets
-    # an /etc/hosts of its own (ip netns exec mounts /etc/netns/NS/hosts over /etc/hosts), as real hosts have.
-    local i
-    for i in $(seq 1 "$n"); do
-      mkdir -p "/etc/netns/${PREFIX}-h$i"
-      printf '127.0.0.1 localhost\n%s %s\n' "$SUBNET.$i" "$(hostname)" >"/etc/netns/${PREFIX}-h$i/hosts"
-    done
-    local status=0
-    ip netns exec ${PREFIX}-h1 env PATH="$PATH" python "$ROOT/scripts/testbed_gloo.py" "$n" "$PREFIX" "$SUBNET" \
-      -- "$@" || status=$?
-    bytes "$n"
-    return $status
-  fi
+launch_gloo() {  # launch_gloo N CMD...: Horovod over Gloo, started as horovodrun --gloo does (scripts/testbed_gloo.py)
+  local n=$1; shift
+  # Horovod 0.28.1 opens its process sets' Gloo contexts on the address the hostname resolves to, not on
+  # HOROVOD_GLOO_IFACE's; the namespaces share this machine's hostname (127.0.0.1 in /etc/hosts), so each host gets
+  # an /etc/hosts of its own (ip netns exec mounts /etc/netns/NS/hosts over /etc/hosts), as real hosts have.
+  local i
+  for i in $(seq 1 "$n"); do
+    mkdir -p "/etc/netns/${PREFIX}-h$i"
+    printf '127.0.0.1 localhost\n%s %s\n' "$SUBNET.$i" "$(hostname)" >"/etc/netns/${PREFIX}-h$i/hosts"
+  done
+  ip netns exec ${PREFIX}-h1 env PATH="$PATH" python "$ROOT/scripts/testbed_gloo.py" "$n" "$PREFIX" "$SUBNET" -- "$@"
+}
+
+launch_mpi() {  # launch_mpi N CMD...: Horovod over MPI, started by mpirun with a host list
+  local n=$1; shift
   local hosts=""
   for i in $(seq 1 "$n"); do hosts+="${hosts:+,}$SUBNET.$i:1"; done
   # mpirun's remote shell: "agent HOST CMD..." runs CMD inside that host's namespace (instead of ssh HOST CMD).
@@ -131,13 +128,20 @@ AGENT
   # that would make this mpirun think it is nested in that job.
   local var
   for var in $(compgen -e | grep -E '^(PMIX_|OMPI_|OPAL_|PRTE_)' | grep -v '^OMPI_ALLOW_RUN_AS_ROOT'); do unset "$var"; done
-  local status=0
   ip netns exec ${PREFIX}-h1 env PATH="$PATH" mpirun --allow-run-as-root --tag-output -np "$n" -H "$hosts" \
     --mca plm_rsh_agent "$AGENT" --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 \
     --mca btl self,tcp --bind-to none \
     -x PATH -x VIRTUAL_ENV -x OMP_NUM_THREADS -x TF_USE_LEGACY_KERAS \
     -x HOROVOD_GLOO_IFACE=eth0 -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=120 \
-    "$@" || status=$?
+    "$@"
+}
+
+run() {
+  local n=$1 rate=$2 delay=$3 gloo=$4; shift 4
+  trap down EXIT
+  up "$n" "$rate" "$delay"
+  local status=0
+  if [[ -n "$gloo" ]]; then launch_gloo "$n" "$@" || status=$?; else launch_mpi "$n" "$@" || status=$?; fi
   bytes "$n"
   return $status
 }
@@ -159,8 +163,8 @@ cmd=${1:-}; shift || true
 case "$cmd" in
   up) check; n=${1:?N}; shift; parse_shaping "$@"; up "$n" "$RATE" "$DELAY" ;;
   run) check; n=${1:?N}; shift; parse_shaping "$@"; [[ ${#REST[@]} -gt 0 ]] || die "run N [...] -- CMD"
-       source "$ROOT/scripts/env.sh"; run "$n" "$RATE" "$DELAY" "${REST[@]}" ;;
+       source "$ROOT/scripts/env.sh"; run "$n" "$RATE" "$DELAY" "$GLOO" "${REST[@]}" ;;
   bytes) check; bytes "${1:?N}" ;;
   down) check; down ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
 esac
