@@ -16,6 +16,9 @@ Methods:
   between;
 - ``topk0.01``: TopKEF at ratio 0.01, for reference.
 
+``--held-bucket-bytes A B ...`` steps each ``auto-fp16`` / ``auto-int8`` method once per cap of its route's buckets
+(core.buckets.HELD_BUCKET_BYTES; 0: one allreduce per tensor), labelled ``auto-fp16@256K`` etc.
+
 Run it on the test bed's shaped links (one worker per host) or on localhost:
 
     scripts/testbed.sh run 4 --rate 1gbit -- .venv/bin/python benchmarks/bench_auto_routes.py --model gptlm
@@ -67,6 +70,8 @@ def main() -> None:
                         choices=METHODS)
     parser.add_argument("--steps", type=int, default=90, help="steps per method, warm-up included")
     parser.add_argument("--warmup", type=int, default=40, help="steps per method not counted")
+    parser.add_argument("--held-bucket-bytes", type=int, nargs="+", default=None,
+                        help="caps of the fp16 / int8 routes' buckets to compare (default: the library's)")
     args = parser.parse_args()
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps")
@@ -74,18 +79,28 @@ def main() -> None:
     import horovod.torch as hvd
     import torch
 
+    import horovod_topk.core.buckets as core_buckets
+    from horovod_topk.core.exchange import DENSE_HALF, DENSE_INT8
     import horovod_topk.torch  # noqa: F401  (wraps hvd.DistributedOptimizer before the first call looks it up)
     from bench_e2e import build_model
 
     hvd.init()
     torch.set_num_threads(1)
     runs = []
-    for method in args.methods:  # one model per method: each optimizer's hooks see only its own gradients
+    labelled = []
+    for method in args.methods:
+        caps = args.held_bucket_bytes if method in ("auto-fp16", "auto-int8") and args.held_bucket_bytes else [None]
+        labelled += [(method if cap is None else f"{method}@{cap // 1024}K", method, cap) for cap in caps]
+    default_caps = dict(core_buckets.HELD_BUCKET_BYTES)
+    for label, method, cap in labelled:  # one model per method: each optimizer's hooks see only its own gradients
+        core_buckets.HELD_BUCKET_BYTES.update(default_caps)  # read when the optimizer is wrapped
+        if cap is not None:
+            core_buckets.HELD_BUCKET_BYTES[{"auto-fp16": DENSE_HALF, "auto-int8": DENSE_INT8}[method]] = cap
         model, make_opt, batch, loss_fn = build_model(args.model)
         opt = hvd.DistributedOptimizer(make_opt(model.parameters()), compression=compression_for(method, args.steps),
-                                       named_parameters=[(f"{method}.{n}", p) for n, p in model.named_parameters()])
+                                       named_parameters=[(f"{label}.{n}", p) for n, p in model.named_parameters()])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        runs.append((method, model, opt, batch, loss_fn, []))
+        runs.append((label, model, opt, batch, loss_fn, []))
     for step in range(args.steps):
         for method, model, opt, batch, loss_fn, times in runs:
             hvd.allreduce(torch.zeros(1), name="routes.barrier")

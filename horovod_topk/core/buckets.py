@@ -28,12 +28,29 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "assign_buckets", "BucketTable", "BucketLayout", "bucket_collective_name"]
+from .exchange import DENSE_HALF, DENSE_INT8
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "HELD_BUCKET_BYTES", "held_bucket_bytes", "assign_buckets", "BucketTable", "BucketLayout", "bucket_collective_name"]
 
 #: Gradient bytes per bucket unless the user says otherwise: PyTorch DDP's default bucket size (25 MiB). Large
 #: enough that a ResNet-50 (102 MB of float32 weights) makes 4-5 collectives instead of 55, small enough that the
 #: first bucket leaves while backward still computes the rest.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+#: Gradient bytes per bucket of ratio="auto"'s fp16 and int8 routes, by route (at most the user's bucket_bytes; 0:
+#: one allreduce per tensor). Those routes send every entry, so a bucket's payload is half or a quarter of its
+#: gradients' bytes, not a hundredth, and a bucket leaves only when its last member is ready: the link waits while
+#: backward fills it, and the last bucket's exchange is all left after backward. What a bucket saves is the host's
+#: time per tensor (one kernel call per member but one collective per bucket, not Horovod's per tensor). Measured
+#: on the test bed (docs/auto-density.md, "The routes' buckets under Horovod"): int8's buckets of 1 MiB shorten the
+#: step, fp16's lengthen it at every cap tried (its payload is twice int8's), so fp16 keeps one allreduce per tensor.
+HELD_BUCKET_BYTES: Dict[str, int] = {DENSE_HALF: 0, DENSE_INT8: 2**20}
+
+
+def held_bucket_bytes(route: str, bucket_bytes: int) -> int:
+    """The bucket cap of ``route`` (core.exchange.DENSE_HALF or DENSE_INT8) under the user's ``bucket_bytes``
+    (0 keeps every tensor on its own there too)."""
+    return min(bucket_bytes, HELD_BUCKET_BYTES[route])
 
 
 def assign_buckets(tensors: Sequence[Tuple[str, int]], cap_bytes: int) -> List[Tuple[str, ...]]:

@@ -22,8 +22,7 @@ from ..core.bucket_plan import BucketPlan, MemberPlan
 from ..core.exchange import DENSE_HALF, DENSE_INT8, SPARSE_ALLREDUCE
 from ..core.pending import reduction_scale
 from .exchange import ExchangeRequest
-from .half_route import to_half
-from .int8_route import from_int8, int8_words, largest_finite
+from .held_routes import HeldMember, HeldRoutes
 from .bucket_select import BucketSelection
 from .sparse_allreduce import SparseRounds
 from .steady_bucket import SteadyBucket, gather_ranges, kept, scatter_ranges
@@ -59,16 +58,11 @@ class BucketStep:
         #: The dense members' gradients divided by the world size, ready for a sum-allreduce (the whole buffer
         #: itself, in place, when every member is dense: DDP's own allreduce, bit for bit), or None.
         self.dense: Optional[torch.Tensor] = None
-        #: The fp16 members' float16 values (torch.half_route), back to back, ready for a sum-allreduce, or None;
-        #: the members they are: the fp16 ones, and int8 ones without a grid yet (torch.int8_route), in that order.
+        #: ratio="auto"'s fp16 and int8 members (torch.held_routes), or None; their float16 values back to back and
+        #: their int32 words, each ready for a sum-allreduce, or None.
+        self.held: Optional[HeldRoutes] = None
         self.half: Optional[torch.Tensor] = None
-        self.half_members: Tuple[MemberPlan, ...] = ()
-        #: The int8 members' int32 words (torch.int8_route), member after member, ready for a sum-allreduce, or
-        #: None; each such member with its record and grid step.
         self.int8: Optional[torch.Tensor] = None
-        self._int8_sent: List[Tuple[MemberPlan, Any, float]] = []
-        #: The records of the int8 members that go fp16 this step, by name: their result sets their grid.
-        self._int8_unset: Dict[str, Any] = {}
         steady = kept(slot, state, plan, buffer, world_size)
         if steady is not None:  # the same bucket as last step in every respect: its kept work, not member by member
             self.selection = steady.run(state, buffer)
@@ -119,63 +113,23 @@ class BucketStep:
             self.selection = BucketSelection(state, gathered, world_size, "average", layouts, span)
         self.payload = self.selection.payload if self.selection is not None else None
         self.sparse = SparseRounds(sparse) if sparse else None
-        halved = list(plan.halved)
-        if plan.bytewise:  # ratio="auto"'s int8: each member's words one after the other
-            halved += self._send_int8(state, plan.bytewise, buffer, world_size)
-        if halved:  # ratio="auto"'s fp16: each member's float16 values back to back, its rounding in its residual
-            self.half_members = tuple(halved)
-            self.half = torch.empty(sum(m.numel for m in halved), dtype=torch.float16, device=buffer.device)
-            self._send_half(state, self.half_members, buffer, world_size)
+        if plan.halved or plan.bytewise:  # ratio="auto"'s fp16 and int8: one buffer each (torch.held_routes)
+            halved = plan.halved
+            end_to_end = all(a.end == b.offset for a, b in zip(halved, halved[1:]))
+            span = buffer[halved[0].offset:halved[-1].end] if halved and end_to_end else None
+            self.held = HeldRoutes(state, [self._held_member(state, m, buffer) for m in halved],
+                                   [self._held_member(state, m, buffer) for m in plan.bytewise], self.scale,
+                                   world_size, "average", span)
+            self.half, self.int8 = self.held.half, self.held.int8
         dense = plan.dense
         if len(dense) == len(plan.members):
             self.dense = buffer.div_(world_size)
         elif dense:
             self.dense = gather_ranges(buffer, [(m.offset, m.end) for m in dense], world_size)
 
-    def _send_int8(self, state: Any, members: Sequence[MemberPlan], buffer: torch.Tensor, world_size: int
-                   ) -> List[MemberPlan]:
-        """The int8 members' words into :attr:`int8`, each on its own grid (its record's reference: the largest
-        magnitude of its last result, the same on every rank). Returns the members without a grid yet (their first
-        step on the route, a load without one): they go fp16 this step, and their result sets the grid."""
-        words, without = [], []
-        for member in members:
-            record = state.registry.records[member.name]
-            if record.int8_reference > 0.0:
-                sent, delta = state._send_int8(member.name, record, buffer[member.offset:member.end], self.scale,
-                                               world_size, "average")
-                words.append(sent)
-                self._int8_sent.append((member, record, delta))
-            else:
-                without.append(member)
-                self._int8_unset[member.name] = record
-        if words:
-            self.int8 = torch.cat(words)
-        return without
-
-    def _send_half(self, state: Any, members: Sequence[MemberPlan], buffer: torch.Tensor, world_size: int) -> None:
-        """The fp16 members into :attr:`half` (torch.half_route). On the CPU member by member (one pass of the fused
-        kernel each). Elsewhere, when they lie end to end, as one tensor: their residuals joined, one run of the
-        torch operations over the bucket, the residuals copied back -- about ten launches per bucket instead of
-        eight per member (ResNet-50's 161 tensors: 12 ms of the host's time per step on an H100). A non-finite
-        gradient there is counted for every member of the bucket (which member had it is not read: no host wait)."""
-        end_to_end = all(a.end == b.offset for a, b in zip(members, members[1:]))
-        if buffer.device.type != "cpu" and len(members) > 1 and end_to_end:
-            records = [state.registry.records[m.name] for m in members]
-            residuals = [state._residual_for(m.name, record, buffer[m.offset:m.end], world_size, "average")[0]
-                         for m, record in zip(members, records)]
-            joined = torch.cat(residuals)
-            _, nonfinite = to_half(buffer[members[0].offset:members[-1].end], joined, self.scale, world_size,
-                                   self.half)
-            torch._foreach_copy_(residuals, list(joined.split([m.numel for m in members])))
-            for member, record in zip(members, records):
-                state._sent_half(record, member.numel, nonfinite)
-            return
-        at = 0
-        for member in members:
-            record = state.registry.records[member.name]
-            state._send_half(member.name, record, buffer[member.offset:member.end], self.scale, world_size,
-                             "average", self.half[at:at + member.numel])
-            at += member.numel
+    @staticmethod
+    def _held_member(state: Any, member: MemberPlan, buffer: torch.Tensor) -> HeldMember:
+        return HeldMember(member.name, state.registry.records[member.name], buffer[member.offset:member.end])
 
     def gathered_buffer(self) -> torch.Tensor:
         """Where the allgather of every rank's :attr:`payload` should land (a buffer the selection may keep, so
@@ -194,20 +148,8 @@ class BucketStep:
         (``gathered``, P payloads back to back), the sum-allreduce of :attr:`dense`, the sparse allreduce's
         allgather of the owners' kept sums (``owners``) and the sum-allreduces of :attr:`half` and :attr:`int8`;
         returns the buffer."""
-        if half_sum is not None:
-            scatter_ranges(self.buffer, [(m.offset, m.end) for m in self.half_members], half_sum)
-            at = 0
-            for member in self.half_members:  # an int8 member's fp16 step: its result sets the grid
-                if member.name in self._int8_unset:
-                    self._int8_unset[member.name].int8_reference = largest_finite(half_sum[at:at + member.numel])
-                at += member.numel
-        if int8_sum is not None:
-            at = 0
-            for member, record, delta in self._int8_sent:
-                words = int8_words(member.numel)
-                _, record.int8_reference = from_int8(int8_sum[at:at + words], member.numel, self.world_size, delta,
-                                                     self.buffer[member.offset:member.end])
-                at += words
+        if self.held is not None:
+            self.held.finish(half_sum, int8_sum)
         copy_back = None
         if dense_sum is not None and not self.all_dense:
             ranges, buffer = [(m.offset, m.end) for m in self.plan.dense], self.buffer

@@ -18,6 +18,10 @@ nothing is gained by launching each member's ~20 as it arrives, and everything b
 bucket; on a CPU the selection's work is the same either way (the hooks run on the thread that runs backward), and
 one call saves the Python around each member's.
 
+A member on ratio="auto"'s fp16 or int8 route waits, unsent, in a bucket of its route's own (core.buckets,
+held_bucket_bytes); when that bucket is complete its members' float16 values go in one allreduce and their int8
+words in another (torch.held_routes), and the first member's wait writes every member's result.
+
 A bucket whose last member never arrives on a step (a parameter whose gradient Horovod sends another way, such as
 a sparse one) is sent with what it has when ``synchronize()`` first waits for one of its members: Horovod's
 optimizer starts every parameter's reduction before it waits for any, so every rank sends the same members.
@@ -32,11 +36,14 @@ import torch
 from ..core import PayloadSizeMismatch
 from ..core.buckets import BucketLayout, BucketTable, bucket_collective_name
 from ..core.exchange import ALLGATHER, SPARSE_ALLREDUCE
+from ..core.naming import half_allreduce_name, int8_allreduce_name
 from .bucket_select import BucketSelection
 from .exchange import ExchangeRequest
+from .held_routes import HeldMember, HeldRoutes
 from .sparse_allreduce import SparseAllreduce, SparseAllreduceFlight
 
-__all__ = ["BucketFlight", "BucketedExchange", "BucketMemberHandle", "UnselectedMember", "bucket_member_names"]
+__all__ = ["BucketFlight", "BucketedExchange", "BucketMemberHandle", "UnselectedMember", "HeldArrival",
+           "bucket_member_names"]
 
 
 @dataclass
@@ -54,6 +61,20 @@ class UnselectedMember:
     scale: float
     process_set: Any
 
+
+@dataclass
+class HeldArrival:
+    """A member on ratio="auto"'s fp16 or int8 route, waiting for its bucket (torch.held_routes)."""
+
+    member: HeldMember
+    int8: bool
+    shape: tuple
+    scale: float
+    world_size: int
+    op_name: str
+    process_set: Any
+
+
 class BucketFlight:
     """One bucket on one step: the requests that wait for it, then its collectives."""
 
@@ -65,6 +86,10 @@ class BucketFlight:
         #: allgather members to be selected together at launch, and their selection then
         self.unselected: Dict[str, UnselectedMember] = {}
         self.selection: Optional[BucketSelection] = None
+        #: members on ratio="auto"'s fp16 or int8 route, their wire buffers at launch, and those buffers' allreduces
+        self.held: Dict[str, HeldArrival] = {}
+        self.held_routes: Optional[HeldRoutes] = None
+        self._held_handles: Optional[tuple] = None
         self._added_back = False
         self.layout: Optional[BucketLayout] = None
         self.sparse: Optional[SparseAllreduceFlight] = None
@@ -79,7 +104,7 @@ class BucketFlight:
 
     @property
     def carried(self) -> int:
-        return sum(len(r) for r in self.requests.values()) + len(self.unselected)
+        return sum(len(r) for r in self.requests.values()) + len(self.unselected) + len(self.held)
 
     def launch(self) -> None:
         """One allgather of the allgather members' payloads (those selected together first, then those selected
@@ -117,6 +142,23 @@ class BucketFlight:
         if ordered:
             self.sparse = self._owner.sparse().start_flight([sparse[n] for n in ordered],
                                                              bucket_collective_name(ordered))
+        held = [self.held[n] for n in self.members if n in self.held]
+        if held:
+            self._launch_held(held)
+
+    def _launch_held(self, held: List[HeldArrival]) -> None:
+        """The fp16 members' float16 values in one allreduce and the int8 members' words in another, each named
+        from the members it carries."""
+        from horovod.torch.mpi_ops import Sum, allreduce_async_
+
+        first = held[0]
+        self.held_routes = routes = HeldRoutes(
+            self._owner.state, [a.member for a in held if not a.int8], [a.member for a in held if a.int8],
+            first.scale, first.world_size, first.op_name)
+        name = bucket_collective_name([a.member.name for a in held])
+        self._held_handles = tuple(
+            None if wire is None else allreduce_async_(wire, name=named(name), op=Sum, process_set=first.process_set)
+            for wire, named in ((routes.half, half_allreduce_name), (routes.int8, int8_allreduce_name)))
 
     def _gathered_rows(self, world_size: int) -> torch.Tensor:
         """The bucket's allgather as P rows; sends the bucket first if it still waits for members, and waits for
@@ -147,6 +189,9 @@ class BucketFlight:
         allreduce."""
         if not self.launched:
             self._owner.flush()
+        arrival = self.held.get(name)
+        if arrival is not None:
+            return self._held_result(arrival)
         member = self.unselected.get(name)
         if member is None:
             assert self.sparse is not None
@@ -157,6 +202,17 @@ class BucketFlight:
             self.selection.finish(rows[:, :self.selection.payload.numel()], member.scale)
             self._added_back = True
         return member.flat.view(member.tensor.shape)
+
+    def _held_result(self, arrival: HeldArrival) -> torch.Tensor:
+        """A held member's reduced gradient: the first call waits for the bucket's allreduces and writes every held
+        member's result at once."""
+        if self._held_handles is not None:
+            from horovod.torch.mpi_ops import synchronize
+
+            handles, self._held_handles = self._held_handles, None
+            assert self.held_routes is not None
+            self.held_routes.finish(*(None if h is None else synchronize(h) for h in handles))
+        return arrival.member.flat.view(arrival.shape)
 
     @property
     def sparse_members(self) -> List[str]:
@@ -199,9 +255,10 @@ class BucketedExchange:
 
     def arrive(self, name: str, request: Optional[ExchangeRequest], exchange: str,
                allgather_handle: Callable[[ExchangeRequest, Any, Callable[[Any], torch.Tensor]], Any],
-               unselected: Optional[UnselectedMember] = None) -> Any:
+               unselected: Optional[UnselectedMember] = None, held: Optional[HeldArrival] = None) -> Any:
         """Member ``name`` has arrived on this step with the payload it sends by ``exchange``, or unselected (an
-        allgather member selected with the others at launch), or without either (it went dense). Returns the
+        allgather member selected with the others at launch), or on ratio="auto"'s fp16 or int8 route (``held``:
+        sent with the bucket's others of its route at launch), or without any (it went dense). Returns the
         member's handle (``allgather_handle`` builds an allgather member's from the request, the flight and the
         wait), or None when it went dense."""
         index = self.table.bucket_of(name)
@@ -216,6 +273,9 @@ class BucketedExchange:
         handle = None
         if unselected is not None:
             flight.unselected[name] = unselected
+            handle = BucketMemberHandle(flight, name)
+        elif held is not None:
+            flight.held[name] = held
             handle = BucketMemberHandle(flight, name)
         elif request is not None:
             flight.requests[exchange][name] = request

@@ -27,15 +27,16 @@ from ..core import (
     plan_tensor,
     reduction_scale,
 )
-from ..core.buckets import BucketTable
+from ..core.buckets import BucketTable, held_bucket_bytes
 from ..core.exchange import ALLGATHER, DENSE_HALF, DENSE_INT8
 from ..core.naming import half_allreduce_name, int8_allreduce_name
 from ..core.update_mode import update_tensor_name
 from . import auto_density
-from .buckets import BucketedExchange, UnselectedMember, bucket_member_names
+from .buckets import BucketedExchange, HeldArrival, UnselectedMember, bucket_member_names
 from .exchange import ExchangeRequest
 from .gradient_route import GRADIENT_ROUTE, LOCAL_ROUTE
 from .half_route import HalfHandle
+from .held_routes import HeldMember
 from .int8_route import Int8Handle
 from .selection import Backend, decompress_tensor, dtype_token as _dtype_token
 from .sparse_allreduce import SparseAllreduce
@@ -147,6 +148,10 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         #: exchange that holds a bucket's payloads until its last member arrives (torch.buckets).
         self.bucket_table = BucketTable()
         self._bucketed = BucketedExchange(self.bucket_table, self._sparse, self)
+        #: The same for ratio="auto"'s fp16 and int8 routes, by route, in buckets of their own, smaller
+        #: (core.buckets.held_bucket_bytes): their payloads are a dense gradient's, and a bucket leaves only when
+        #: its last member is ready.
+        self._held = {route: BucketedExchange(BucketTable(), self._sparse, self) for route in (DENSE_HALF, DENSE_INT8)}
         #: The update steps (torch.update_mode.UpdateStep) of the optimizers that run update mode (TopKConfig.target
         #: resolved for each by core.update_mode.resolve_target when it was wrapped), by scope (core.scopes): their
         #: gradients stay on their rank, except on the gradient route (core.update_mode).
@@ -245,7 +250,7 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
     ) -> Optional[Union[TopKHandle, HalfHandle]]:
         """Error feedback, selection and the exchange of ``tensor`` (a gradient, or in update mode an update) called
         ``name``; None if it must go dense (the caller then allreduces it: the residual's leftovers are in it)."""
-        from horovod.torch.mpi_ops import Average, Sum, allreduce_async, synchronize
+        from horovod.torch.mpi_ops import Average, Sum, allreduce_async_, synchronize
 
         op_name = "average" if op == Average else "sum" if op == Sum else repr(op)
         world_size = process_set.size()
@@ -263,23 +268,30 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
             self._report_if_due(record.steps, process_set.rank())
         record.steps += 1
         record.bytes_dense += dense_nbytes
-        if plan.exchange in (DENSE_HALF, DENSE_INT8):  # ratio="auto"'s fp16 or int8: its own allreduce
+        if plan.exchange in (DENSE_HALF, DENSE_INT8):  # ratio="auto"'s fp16 or int8
             if self._bucketed.covers(name):  # it travels on its own; its bucket-mates need not wait for it
                 self._bucketed.arrive(name, None, plan.exchange, allgather_handle)
             flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            held_buckets = self._held[plan.exchange]
+            if held_buckets.covers(name):  # with its bucket's others of its route: one allreduce (torch.held_routes)
+                int8 = plan.exchange == DENSE_INT8
+                pending.route = "int8" if int8 and record.int8_reference > 0.0 else "fp16"
+                held = HeldArrival(HeldMember(name, record, flat), int8, tuple(tensor.shape), scale, world_size,
+                                   op_name, process_set)
+                return held_buckets.arrive(name, None, plan.exchange, allgather_handle, held=held)
             # the grid's reference comes from int8 steps (and the fp16 step of one without a grid yet), not from
             # fp16 steps while fp16 is held: that would cost every such step a pass for a grid it may never use
             keep = self._keep_int8_reference(record) if plan.exchange == DENSE_INT8 else None
             if plan.exchange == DENSE_INT8 and record.int8_reference > 0.0:  # torch.int8_route
                 pending.route = "int8"
                 words, delta = self._send_int8(name, record, flat, scale, world_size, op_name)
-                handle = allreduce_async(words, name=int8_allreduce_name(name), op=Sum, process_set=process_set)
+                handle = allreduce_async_(words, name=int8_allreduce_name(name), op=Sum, process_set=process_set)
                 assert keep is not None
                 return Int8Handle(handle, synchronize, flat, tuple(tensor.shape), world_size, delta, keep)
             # fp16 (torch.half_route); on the int8 route also its first step, whose result gives the grid
             pending.route = "fp16"
             half = self._send_half(name, record, flat, scale, world_size, op_name)
-            handle = allreduce_async(half, name=half_allreduce_name(name), op=Sum, process_set=process_set)
+            handle = allreduce_async_(half, name=half_allreduce_name(name), op=Sum, process_set=process_set)
             return HalfHandle(handle, synchronize, flat, tuple(tensor.shape), keep)
         if not plan.compressed:
             pending.route = "dense"
@@ -309,16 +321,25 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
     def add_buckets(self, named_parameters: List[Tuple[str, Any]], scope: str = "") -> None:
         """Bucket the gradients of one optimizer's ``named_parameters`` (under the names the routing sees:
         ``scope`` + Horovod's name) by TopKConfig.bucket_bytes (core.buckets)."""
-        self.bucket_table.add([(scope + name, nbytes) for name, nbytes in bucket_member_names(named_parameters)],
-                              self.config.bucket_bytes)
+        members = [(scope + name, nbytes) for name, nbytes in bucket_member_names(named_parameters)]
+        self.bucket_table.add(members, self.config.bucket_bytes)
+        for route, held_buckets in self._held.items():
+            held_buckets.table.add(members, held_bucket_bytes(route, self.config.bucket_bytes))
 
     def add_group_buckets(self, groups: List[List[str]], scope: str = "") -> None:
         """One bucket per group of Horovod's ``groups=`` (member names as the routing sees them, without
         ``scope``), instead of buckets by bytes: see core.buckets.BucketTable.add_groups."""
-        self.bucket_table.add_groups([[scope + name for name in group] for group in groups], self.config.bucket_bytes)
+        scoped = [[scope + name for name in group] for group in groups]
+        self.bucket_table.add_groups(scoped, self.config.bucket_bytes)
+        for held_buckets in self._held.values():  # Horovod sends a group at once anyway: nothing to lose
+            held_buckets.table.add_groups(scoped, self.config.bucket_bytes)
 
     def _extra_stats(self) -> Dict[str, Any]:
-        return {"buckets": self._bucketed.stats()} if len(self.bucket_table) else {}
+        stats = {"buckets": self._bucketed.stats()} if len(self.bucket_table) else {}
+        held = {route: held_buckets.stats() for route, held_buckets in self._held.items() if len(held_buckets.table)}
+        if held:
+            stats["held_buckets"] = held
+        return stats
 
     def _auto_begin(self, step: int, tensor: torch.Tensor, process_set: Any) -> None:
         """ratio="auto": at the first tensor of a step whose decision is due, measure (torch.auto_density) and
@@ -348,6 +369,8 @@ class TopKEF(TorchResiduals, TopKEFBase[torch.Tensor]):
         for update_step in self.update_scopes.values():  # a loaded state ends the step in progress
             update_step.forget_step()
         self._bucketed.abandon_in_flight()
+        for held_buckets in self._held.values():
+            held_buckets.abandon_in_flight()
         if getattr(self, "_sparse_allreduce", None) is not None:
             self._sparse_allreduce.abandon_in_flight()
 

@@ -93,6 +93,53 @@ def test_fp16_steps_leave_the_int8_grid_as_it_was():
     assert references[5] != references[4], references[4:6]
 
 
+def test_the_routes_buckets_train_as_one_allreduce_per_tensor_does(monkeypatch):
+    """fp16 and int8 steps in turn (auto held at each, as decisions would set it), with one allreduce per tensor
+    (bucket_bytes=0), with the routes' default buckets (int8's: Model's six tensors are one bucket; fp16 per tensor)
+    and with fp16 bucketed too: the same parameters and residuals bit for bit (two ranks' sums are exact in any
+    order), identical on every rank, and one collective per bucketed step where per tensor ran six."""
+    import horovod_topk.core.buckets as core_buckets
+    from horovod_topk.core.autodensity import HALF
+    from horovod_topk.core.exchange import DENSE_HALF
+
+    held = [HALF, HALF, INT8, INT8, INT8, HALF, INT8]
+    caps = dict(core_buckets.HELD_BUCKET_BYTES)
+    outcome = {}
+    for label, options, fp16_cap in (("per tensor", {"bucket_bytes": 0}, 0), ("default", {}, caps[DENSE_HALF]),
+                                     ("fp16 bucketed", {}, 2 ** 20)):
+        monkeypatch.setitem(core_buckets.HELD_BUCKET_BYTES, DENSE_HALF, fp16_cap)
+        compressor = TopKEF(ratio="auto", min_numel=256, **options)
+        compressor.auto.next_decision = 10 ** 6  # no decision: the test sets the route
+        compressor.auto.ratio = held[0]
+        routes = []
+
+        def record(model, compressor=compressor, routes=routes):
+            routes.append(sorted({r.exchange for r in compressor.registry.records.values()}))
+            if len(routes) < len(held):
+                compressor.auto.ratio = held[len(routes)]
+
+        _, model = recorded(compressor, range(len(held)), record)
+        residuals = {n: r.residual.clone() for n, r in compressor.registry.records.items()}
+        outcome[label] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), residuals, routes,
+                          compressor.stats().get("held_buckets"))
+    params, residuals, routes, held_stats = outcome.pop("per tensor")
+    assert [DENSE_INT8] in routes and ["dense_fp16"] in routes, routes
+    assert held_stats is None, held_stats
+    int8_steps, fp16_steps = held.count(INT8), held.count(HALF)
+    expected = {"default": {DENSE_INT8: int8_steps},
+                "fp16 bucketed": {DENSE_INT8: int8_steps, DENSE_HALF: fp16_steps}}
+    for label, (b_params, b_residuals, b_routes, b_held) in outcome.items():
+        assert b_routes == routes, (label, b_routes)
+        assert torch.equal(params, b_params), label
+        assert residuals.keys() == b_residuals.keys(), label
+        assert all(torch.equal(residuals[n], b_residuals[n]) for n in residuals), label
+        assert {route: (s["buckets"], s["collectives"], s["tensors"], s["flushed_incomplete"])
+                for route, s in b_held.items() if s["collectives"]} == {
+            route: (1, steps, 6 * steps, 0) for route, steps in expected[label].items()}, (label, b_held)
+        everyone = hvd.allgather(b_params.unsqueeze(0), name=f"int8.bucketed.params.{label}")
+        assert torch.equal(everyone[0], everyone[1]), label
+
+
 def test_a_nan_on_one_rank_reaches_every_rank_and_no_residual(monkeypatch):
     """On an int8 step one rank's gradient holds a NaN: every rank's averaged gradient of that tensor is NaN (so a
     loss scaler skips the step everywhere), no residual takes it, and the next steps train on, identical."""
