@@ -65,7 +65,7 @@ def compression_for(method: str, steps: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gptlm", choices=["mlp", "digits", "charlm", "gptlm"])
+    parser.add_argument("--model", default="gptlm", choices=["mlp", "digits", "charlm", "gptlm", "deep"])
     parser.add_argument("--methods", nargs="+", default=["dense", "fp16", "auto-dense", "auto-fp16"],
                         choices=METHODS)
     parser.add_argument("--steps", type=int, default=90, help="steps per method, warm-up included")

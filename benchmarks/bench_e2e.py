@@ -38,14 +38,15 @@ EXTRA_METHODS = ["topk0.01-allgather", "topk0.01-sparse_allreduce", "topk0.03", 
                  "update0.01",
                  "update-calibrated0.01", "compact0.1", "update-compact-calibrated0.1",
                  "update-compact-calibrated0.023"]
-MODELS = ["mlp", "digits", "charlm", "gptlm"]
+MODELS = ["mlp", "digits", "charlm", "gptlm", "deep"]
 
 
 def build_model(name: str):
     """(model, optimizer factory, batch function): the step that is timed. ``mlp`` is the bandwidth-bound MLP of
     the table in docs/performance.md; ``digits`` and ``charlm`` are the CNN and the GRU language model of
     benchmarks/convergence.py with their own optimizer and batch size, so that their step times multiply their
-    steps to target (benchmarks/time_to_target.py)."""
+    steps to target (benchmarks/time_to_target.py); ``deep`` is 100 small layers (learning rate 0), whose step is
+    mostly the hooks' work per tensor."""
     import horovod.torch as hvd
     import torch
 
@@ -58,6 +59,11 @@ def build_model(name: str):
         data = [(torch.randn(64, 512, generator=gen), torch.randint(0, 10, (64,), generator=gen)) for _ in range(4)]
         return (model, lambda params: torch.optim.SGD(params, lr=0.01), lambda i: data[i % 4],
                 lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    if name == "deep":  # 200 small tensors: a step where the host's cost per tensor is most of the hooks' work
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(100)])
+        data = [torch.randn(8, 64, generator=gen) for _ in range(4)]
+        return (model, lambda params: torch.optim.SGD(params, lr=0.0), lambda i: data[i % 4],
+                lambda m, b: m(b).sum())
     if name == "digits":
         sys.path.insert(0, str(ROOT / "examples"))
         from digits_torch import DigitsCNN
