@@ -21,12 +21,18 @@ echo "== single-process tests"
 python -m pytest tests --ignore=tests/parallel_torch --ignore=tests/parallel_tf --ignore=tests/parallel_keras3 -q -p no:cacheprovider --color=no --junitxml="$reports/unit.xml" "$@" || status=1
 
 # One process per worker holds one framework's Horovod: each framework's suite runs in its own job.
+# Each test is named as it starts and its line written at once (-v, unbuffered): a worker that dies takes its
+# buffered output with it, and the log must still say which test it was in. Horovod's Gloo context gives up on a
+# peer after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default) by aborting the process; two workers on a shared 2-core
+# machine may be descheduled longer than that, so the runs wait 300 s, and `timeout` still turns a real hang into a
+# failure.
+export PYTHONUNBUFFERED=1 HOROVOD_GLOO_TIMEOUT_SECONDS="${HOROVOD_GLOO_TIMEOUT_SECONDS:-300}"
 for suite in parallel_torch parallel_tf parallel_keras3; do
   for controller in gloo mpi; do
     echo "== multi-worker tests: horovodrun -np 2 --$controller pytest tests/$suite"
     # The rank goes into each report's name; `timeout` turns an unexpected hang into a failure.
     timeout 1200 horovodrun -np 2 -H localhost:2 "--$controller" \
-      sh -c "exec python -m pytest tests/$suite -q -p no:cacheprovider --color=no \
+      sh -c "exec python -m pytest tests/$suite -v -p no:cacheprovider --color=no \
              --junitxml=$reports/$suite-$controller-rank\${HOROVOD_RANK:-\$OMPI_COMM_WORLD_RANK}.xml $*" \
       || status=1
   done
