@@ -23,9 +23,9 @@ python -m pytest tests --ignore=tests/parallel_torch --ignore=tests/parallel_tf 
 # One process per worker holds one framework's Horovod: each framework's suite runs in its own job.
 # Each test is named as it starts and its line written at once (-v, unbuffered): a worker that dies takes its
 # buffered output with it, and the log must still say which test it was in. Horovod's Gloo context gives up on a
-# peer after HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default) by aborting the process; two workers on a shared 2-core
-# machine may be descheduled longer than that, so the runs wait 300 s, and `timeout` still turns a real hang into a
-# failure.
+# peer that has not answered for HOROVOD_GLOO_TIMEOUT_SECONDS (30 by default) and the job fails (one worker stopped
+# for 40 s: Horovod shut down at 30, carried on at 300); two workers on a shared 2-core machine may be descheduled
+# that long, so the runs wait 300 s, and `timeout` still turns a real hang into a failure.
 export PYTHONUNBUFFERED=1 HOROVOD_GLOO_TIMEOUT_SECONDS="${HOROVOD_GLOO_TIMEOUT_SECONDS:-300}"
 for suite in parallel_torch parallel_tf parallel_keras3; do
   for controller in gloo mpi; do
