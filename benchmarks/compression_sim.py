@@ -123,6 +123,38 @@ def integer_sum(accs: List[torch.Tensor], key: int, state: dict, spread: float, 
     return applied, nbytes
 
 
+def integer_sum_blocks(accs: List[torch.Tensor], key: int, state: dict, spread: float, bits: int, block: int,
+                       floor: float) -> Tuple[torch.Tensor, int]:
+    """integer_sum from the previous average, with a grid per block of ``block`` consecutive entries: each block's
+    delta = SPREAD x M_b / L (each worker's values within +-SPREAD x M_b), M_b the block's largest magnitude in the
+    average applied on the step before (every worker holds it: no bytes), at least ``floor`` x the tensor's
+    largest, so that a block that was near zero still has a grid that reaches a tensor-sized value within a few
+    steps. Why: most of a gradient's entries are far below its largest, and a per-tensor grid rounds them to zero
+    step after step (they wait in the residual); a block's own grid would send them. Screened and not kept
+    (docs/auto-density.md, "A grid per block"): a block's largest moves more between steps, so its grid clamps."""
+    workers = len(accs)
+    limit = (2 ** (bits - 1) - 1) // workers
+    if limit < 1:
+        raise ValueError(f"{bits}-bit integers cannot hold the sum of {workers} workers")
+    numel = accs[0].numel()
+    reference = state.get(key)
+    if reference is None or float(reference.max()) == 0.0:
+        sent = [quantize(a, 16) for a in accs]
+        nbytes = 2 * numel + 4
+    else:
+        blocks = reference.clamp_min(floor * float(reference.max()))
+        delta = (spread * blocks / limit).repeat_interleave(block)[:numel]
+        sent = [torch.round(a / delta).clamp(-limit, limit) * delta for a in accs]
+        nbytes = bits * numel // 8 + 4
+    for a, s_ in zip(accs, sent):
+        a -= s_
+    applied = sum(sent) / workers
+    pad = (-numel) % block
+    padded = torch.nn.functional.pad(applied.abs(), (0, pad)) if pad else applied.abs()
+    state[key] = padded.reshape(-1, block).amax(dim=1)
+    return applied, nbytes
+
+
 def cyclic(acc: torch.Tensor, period: int, ratio: float, step: List[int]) -> torch.Tensor:
     """Top-k (float8 values) plus, every step, every ``period``-th entry starting at step % period, in float8
     without indices (the slice is implied by the step): every coordinate reaches the optimizer at least once
@@ -402,7 +434,8 @@ class LocalAdam:
 
 
 def make_method(spec: str) -> Dict[str, object]:
-    """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' | 'isum:SPREAD[:BITS]'; bytes per entry/coordinate too."""
+    """'dense' | 'topk:RATIO[:VALUEBITS[:INDEXBITS]]' | 'block:B:M:VALUEBITS' | 'sign' | 'isum:SPREAD[:BITS]' |
+    'iblock:SPREAD:BLOCK[:FLOOR[:BITS]]'; bytes per entry/coordinate too."""
     parts = spec.split(":")
     kind = parts[0]
     if kind == "dense":
@@ -445,6 +478,13 @@ def make_method(spec: str) -> Dict[str, object]:
         bits = int(parts[2]) if len(parts) > 2 else 8
         isum_state: dict = {}
         return {"inplace": lambda accs, key: integer_sum(accs, key, isum_state, spread, bits, kind == "isumavg"),
+                "keyed": True}
+    if kind == "iblock":  # 'iblock:SPREAD:BLOCK[:FLOOR[:BITS]]': integer_sum_blocks
+        spread, block = float(parts[1]), int(parts[2])
+        floor = float(parts[3]) if len(parts) > 3 else 1 / 64
+        bits = int(parts[4]) if len(parts) > 4 else 8
+        iblock_state: dict = {}
+        return {"inplace": lambda accs, key: integer_sum_blocks(accs, key, iblock_state, spread, bits, block, floor),
                 "keyed": True}
     raise ValueError(f"unknown method {spec!r}")
 
